@@ -1,0 +1,90 @@
+"""Pipeline configuration: conf/<target>.yml plus environment overrides.
+
+The override rule: an environment variable ``CDC__<SECTION>__<KEY>`` replaces the value at
+``section.key`` (any depth, ``__`` between levels, case-insensitive), parsed as YAML so
+``CDC__KAFKA__PARTITIONS=6`` is a number and ``CDC__STACK__POSTGRES__FSYNC=false`` a bool.
+``CDC_TARGET`` picks the file when the caller does not. Secrets never live here: a value
+that is a secret is a reference (see lib/secrets.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import yaml
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = PROJECT_ROOT / "conf"
+ENV_PREFIX = "CDC__"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is missing or malformed."""
+
+
+def load(target: str | None = None, conf_dir: Path | str | None = None, environ=None) -> dict:
+    """Read conf/<target>.yml and apply CDC__ environment overrides."""
+    environ = os.environ if environ is None else environ
+    target = target or environ.get("CDC_TARGET") or "local"
+    folder = Path(conf_dir) if conf_dir else CONF_DIR
+    path = folder / f"{target}.yml"
+    if not path.is_file():
+        known = sorted(p.stem for p in folder.glob("*.yml"))
+        raise ConfigError(
+            f"no configuration for target {target!r}: {path} does not exist "
+            f"(known targets: {', '.join(known) or 'none'}); pass one of them or add the file"
+        )
+    try:
+        conf = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    conf = apply_overrides(conf, environ)
+    conf["target"] = target
+    conf["conf_file"] = str(path)
+    return conf
+
+
+def apply_overrides(conf: dict, environ) -> dict:
+    """Return a copy of conf with every CDC__A__B=value applied at a.b."""
+    result = copy.deepcopy(conf)
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX) or len(name) <= len(ENV_PREFIX):
+            continue
+        keys = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        if any(not key for key in keys):
+            raise ConfigError(f"environment override {name} has an empty level; use CDC__SECTION__KEY")
+        node = result
+        for depth, key in enumerate(keys[:-1]):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                where = ".".join(keys[: depth + 1])
+                raise ConfigError(f"environment override {name}: {where} is a value, not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(environ[name]) if environ[name] != "" else ""
+    return result
+
+
+def get(conf: dict, dotted: str, default=...):
+    """Value at a dotted path like 'kafka.bootstrap_servers'; error names the path and file."""
+    node = conf
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            if default is not ...:
+                return default
+            override = ENV_PREFIX + dotted.upper().replace(".", "__")
+            raise ConfigError(
+                f"setting {dotted} is missing in {conf.get('conf_file', 'the configuration')}; "
+                f"add it there or set {override}"
+            )
+        node = node[key]
+    return node
+
+
+def project_path(value: str | os.PathLike) -> Path:
+    """A path from conf: absolute as given, relative to the project root otherwise."""
+    path = Path(os.path.expanduser(str(value)))
+    return path if path.is_absolute() else PROJECT_ROOT / path
