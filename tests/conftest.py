@@ -1,14 +1,59 @@
-"""Temporary development fixture (to be replaced by the project's conftest)."""
+"""Fixtures: the local stack (started once per session), per-run databases and names."""
 
-import os
+from __future__ import annotations
+
+import uuid
 
 import pytest
+from psycopg2 import sql
+
+from lib import config, source, spark, stack
 
 
 @pytest.fixture(scope="session")
-def pg_admin_dsn():
-    """libpq DSN of a superuser connection, from CDC_TEST_PG_ADMIN_DSN; skip when unset."""
-    dsn = os.environ.get("CDC_TEST_PG_ADMIN_DSN")
-    if not dsn:
-        pytest.skip("CDC_TEST_PG_ADMIN_DSN is not set")
-    return dsn
+def conf() -> dict:
+    """The local target's configuration."""
+    return config.load("local")
+
+
+@pytest.fixture(scope="session")
+def live_stack(conf) -> dict:
+    """The local stack, running (started if needed; left running for the next session)."""
+    stack.up(conf, log=lambda line: None)
+    return conf
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    """A short id that makes slot, topic and folder names unique to this test run."""
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session")
+def scratch_database(live_stack, run_id):
+    """A throwaway database owned by the admin role, dropped at the end of the session."""
+    name = f"cdc_test_{run_id}"
+    admin = source.connect(live_stack, admin=True, dbname="postgres")
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield name
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    admin.close()
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn(live_stack, scratch_database) -> str:
+    """libpq DSN of the admin role on the scratch database (may create and drop schema bank)."""
+    return source.dsn(live_stack, admin=True, dbname=scratch_database)
+
+
+@pytest.fixture(scope="session")
+def spark_session(conf):
+    """A local Spark session with Delta, the Kafka source and Avro, few shuffle partitions."""
+    settings = {**config.get(conf, "spark.settings"), "spark.sql.shuffle.partitions": "2"}
+    session = spark.session("cdc-tests", str(config.project_path(config.get(conf, "spark.jars_dir"))),
+                            settings)
+    yield session
+    session.stop()

@@ -2,7 +2,6 @@
 
 import psycopg2
 import pytest
-from psycopg2 import sql
 
 from lib import sample_db
 
@@ -103,11 +102,11 @@ def test_statements_have_toasted_bodies(conn, loaded):
         " (WHERE octet_length(body) > 2048) FROM bank.statements",
     )
     assert longest > 2048 and big >= 3
-    ((toast,),) = _query(
-        conn, "SELECT reltoastrelid::regclass::text FROM pg_class WHERE oid = 'bank.statements'::regclass"
+    ((toast_bytes,),) = _query(
+        conn,
+        "SELECT pg_relation_size(reltoastrelid) FROM pg_class WHERE oid = 'bank.statements'::regclass",
     )
-    ((chunks,),) = _query(conn, sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(toast)))
-    assert chunks > 0, "long statement bodies are stored out of line"
+    assert toast_bytes > 0, "long statement bodies are stored out of line"
 
 
 def test_load_counts_match_tables_and_data_looks_real(conn, loaded):

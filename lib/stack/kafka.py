@@ -38,7 +38,8 @@ def files(stack_dir: Path) -> dict[str, Path]:
     """Config, data, log and pid locations of the broker."""
     base = stack_dir / "kafka"
     return {"base": base, "properties": base / "server.properties", "log4j": base / "log4j2.properties",
-            "data": base / "data", "log": stack_dir / "logs" / "kafka.log", "pid": stack_dir / "run" / "kafka.pid"}
+            "data": base / "data", "log": stack_dir / "logs" / "kafka.log",
+            "pid": stack_dir / "run" / "kafka.pid"}
 
 
 def write_config(conf: dict, where: dict[str, Path]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -128,10 +129,8 @@ def stop(pid: int, timeout: float = 30.0) -> None:
 
 def reap(pid: int) -> None:
     """Collect a finished child so it does not linger as a zombie."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def wait_ready(service: str, probe, timeout: float, log_file: Path, pid: int | None = None) -> None:

@@ -1,0 +1,53 @@
+"""Connections to the source PostgreSQL, as the pipeline role or the setup (admin) role."""
+
+from __future__ import annotations
+
+import psycopg2
+import psycopg2.extras
+
+from lib import config, secrets
+
+
+class SourceError(ConnectionError):
+    """The source database could not be reached or refused the credentials."""
+
+
+def dsn(conf: dict, admin: bool = False, dbname: str | None = None) -> str:
+    """A libpq connection string with the resolved password (for tools that want a DSN)."""
+    user_key, password_key = _keys(admin)
+    return psycopg2.extensions.make_dsn(
+        host=config.get(conf, "source.host"), port=config.get(conf, "source.port"),
+        user=config.get(conf, user_key), dbname=dbname or config.get(conf, "source.database"),
+        password=secrets.setting(conf, password_key))
+
+
+def _keys(admin: bool) -> tuple[str, str]:
+    """Conf keys of the role's name and password."""
+    return ("source.admin_user", "source.admin_password") if admin else ("source.user", "source.password")
+
+
+def connect(conf: dict, admin: bool = False, dbname: str | None = None, replication: bool = False,
+            **options):
+    """A psycopg2 connection; replication=True gives a LogicalReplicationConnection."""
+    user_key, password_key = _keys(admin)
+    host, port = config.get(conf, "source.host"), int(config.get(conf, "source.port"))
+    user = config.get(conf, user_key)
+    database = dbname or config.get(conf, "source.database")
+    params = dict(host=host, port=port, user=user, dbname=database, connect_timeout=10,
+                  application_name=config.get(conf, "spark.app_name", "cdc-pipeline"), **options)
+    if replication:
+        params["connection_factory"] = psycopg2.extras.LogicalReplicationConnection
+    try:
+        return psycopg2.connect(password=secrets.setting(conf, password_key), **params)
+    except psycopg2.OperationalError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        if "password authentication failed" in str(exc):
+            remedy = (f"check the secret {secrets.describe(config.get(conf, password_key))} "
+                      f"({password_key}) and the role {user}")
+        elif "does not exist" in str(exc):
+            remedy = f"check {user_key} and source.database in {conf.get('conf_file')}"
+        else:
+            remedy = (f"check that PostgreSQL runs at {host}:{port} (source.host, source.port; "
+                      f"locally `make up`)")
+        raise SourceError(f"cannot connect to PostgreSQL {host}:{port}/{database} as {user}: "
+                          f"{reason}; {remedy}") from exc
