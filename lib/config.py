@@ -88,3 +88,12 @@ def project_path(value: str | os.PathLike) -> Path:
     """A path from conf: absolute as given, relative to the project root otherwise."""
     path = Path(os.path.expanduser(str(value)))
     return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+def location(value: str) -> str:
+    """A storage location from conf: URIs (abfss://, s3://, dbfs:/) and absolute paths as given,
+    relative paths under the project root."""
+    text = str(value)
+    if "://" in text or text.startswith("dbfs:"):
+        return text
+    return str(project_path(text))

@@ -4,6 +4,8 @@ import os
 
 from pyspark.sql import SparkSession
 
+from lib import config
+
 
 def local_jars(jars_dir: str) -> list[str]:
     """Sorted jar paths in jars_dir (filled from lib/stack/poms/spark.xml, which already leaves out pyspark's jars)."""
@@ -32,3 +34,13 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
     for key, value in conf.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def from_conf(conf: dict) -> SparkSession:
+    """The session a target's conf describes (spark.app_name, spark.jars_dir, spark.settings)."""
+    settings = dict(config.get(conf, "spark.settings", {}) or {})
+    if "spark.sql.warehouse.dir" in settings:
+        settings["spark.sql.warehouse.dir"] = config.location(settings["spark.sql.warehouse.dir"])
+    jars_dir = config.get(conf, "spark.jars_dir", None)
+    return session(config.get(conf, "spark.app_name", "cdc-pipeline"),
+                   config.location(jars_dir) if jars_dir else None, {k: str(v) for k, v in settings.items()})

@@ -51,9 +51,7 @@ def pg_admin_dsn(live_stack, scratch_database) -> str:
 
 @pytest.fixture(scope="session")
 def spark_session(conf):
-    """A local Spark session with Delta, the Kafka source and Avro, few shuffle partitions."""
-    settings = {**config.get(conf, "spark.settings"), "spark.sql.shuffle.partitions": "2"}
-    session = spark.session("cdc-tests", str(config.project_path(config.get(conf, "spark.jars_dir"))),
-                            settings)
+    """A local Spark session with Delta, the Kafka source and Avro, as conf/local.yml sets it up."""
+    session = spark.from_conf(config.apply_overrides(conf, {"CDC__SPARK__APP_NAME": "cdc-tests"}))
     yield session
     session.stop()

@@ -15,7 +15,7 @@ from lib import config, secrets
 from lib.stack import fetch, kafka, postgres, process, registry
 from lib.stack.process import StackError
 
-__all__ = ["StackError", "down", "fetch_all", "logs", "stack_dir", "status", "up"]
+__all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
 
 SERVICES = ("postgres", "kafka", "registry")
 
@@ -79,12 +79,76 @@ def up(conf: dict, log=print) -> None:
     log(f"stack     up in {time.monotonic() - began:.1f} s")
 
 
+def sample(conf: dict, customers: int = 200, seed: int = 7, reset: bool = False, log=print) -> dict:
+    """Load the sample bank into the source database (once, or again with reset) and grant reads."""
+    from psycopg2 import sql
+
+    from lib import sample_db, source
+
+    conn = source.connect(conf, admin=True)
+    try:
+        counts = sample_db.row_counts(conn) if not reset and has_schema(conn, sample_db.SCHEMA) else None
+        if counts and any(counts.values()):
+            log(f"sample    already loaded ({counts['bank.customers']} customers); "
+                "`python -m lib.stack sample --reset` reloads it")
+        else:
+            sample_db.create_schema(conn)
+            counts = sample_db.load(conn, customers=customers, seed=seed)
+            log(f"sample    loaded {sum(counts.values())} rows into {len(counts)} tables (seed {seed})")
+        pipeline = sql.Identifier(config.get(conf, "source.user"))
+        schema = sql.Identifier(sample_db.SCHEMA)
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(schema, pipeline))
+            cur.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(schema, pipeline))
+        conn.commit()
+        return counts
+    finally:
+        conn.close()
+
+
+def has_schema(conn, schema: str) -> bool:
+    """True when the schema exists in the connected database."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))
+        return cur.fetchone() is not None
+
+
 def down(conf: dict, log=print) -> None:
     """Stop every service, newest first; data and logs stay."""
     folder = stack_dir(conf)
     registry.stop(folder, log=log)
     kafka.stop(folder, log=log)
     postgres.stop(conf, folder, log=log)
+
+
+def clean(conf: dict, log=print) -> None:
+    """Stop the stack and delete its data, logs and pid files; the download cache stays."""
+    import shutil
+
+    down(conf, log=log)
+    folder = stack_dir(conf)
+    for child in folder.iterdir() if folder.is_dir() else []:
+        if child.name == "cache":
+            continue
+        if child.is_symlink():
+            shutil.rmtree(child.resolve(), ignore_errors=True)
+            child.unlink()
+        elif child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    log(f"stack     data and logs removed from {folder} (downloads kept in {folder / 'cache'})")
+
+
+def endpoints(conf: dict) -> dict[str, str]:
+    """Where to connect, for people (passwords are named, never shown)."""
+    source = conf["source"]
+    return {
+        "psql": f"psql postgresql://{source['admin_user']}@{source['host']}:{source['port']}/{source['database']}"
+                f"  (password: {secrets.describe(source['admin_password'])}, in conf/secrets.env locally)",
+        "kafka": str(config.get(conf, "kafka.bootstrap_servers")),
+        "registry": str(config.get(conf, "registry.url")),
+    }
 
 
 def status_of(conf: dict, name: str) -> dict:

@@ -7,6 +7,7 @@ import sys
 
 from lib import config, stack
 from lib.secrets import SecretError
+from lib.source import SourceError
 from lib.stack.process import StackError
 
 
@@ -19,6 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("up", help="start PostgreSQL, Kafka and the registry; wait until ready")
     commands.add_parser("down", help="stop every service (data and logs stay)")
     commands.add_parser("status", help="what runs: pid, port, version, log file")
+    commands.add_parser("clean", help="stop the stack and delete its data and logs (downloads stay)")
+    sample = commands.add_parser("sample", help="load the sample bank database (once; --reset reloads)")
+    sample.add_argument("--customers", type=int, default=200)
+    sample.add_argument("--seed", type=int, default=7)
+    sample.add_argument("--reset", action="store_true", help="drop schema bank and load it again")
     logs = commands.add_parser("logs", help="last lines of the services' logs")
     logs.add_argument("service", nargs="?", choices=stack.SERVICES)
     logs.add_argument("-n", "--lines", type=int, default=40)
@@ -30,16 +36,23 @@ def main(argv: list[str] | None = None) -> int:
             stack.fetch_all(conf)
         elif args.command == "up":
             stack.up(conf)
+        elif args.command == "sample":
+            stack.sample(conf, args.customers, args.seed, args.reset)
         elif args.command == "down":
             stack.down(conf)
+        elif args.command == "clean":
+            stack.clean(conf)
         elif args.command == "status":
             print(f"{'service':9s} {'state':15s} {'pid':>7s} {'port':>6s}  {'version':16s} log")
             for row in stack.status(conf):
                 print(f"{row['service']:9s} {row['state']:15s} {str(row['pid'] or '-'):>7s} "
                       f"{row['port']:>6}  {row['version']:16s} {row['log']}")
+            print()
+            for name, where in stack.endpoints(conf).items():
+                print(f"{name:9s} {where}")
         elif args.command == "logs":
             print(stack.logs(conf, args.service, args.lines))
-    except (StackError, SecretError, config.ConfigError) as exc:
+    except (StackError, SecretError, SourceError, config.ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         details = getattr(exc, "details", "")
         if details:

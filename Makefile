@@ -1,0 +1,83 @@
+# One entry point. The README's two commands are `make demo` and `make test`;
+# both install what a fresh Debian machine lacks, start the local stack and reuse caches.
+
+SHELL := /bin/bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PG_BIN := /usr/lib/postgresql/15/bin
+NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
+
+.PHONY: install system fetch up down status logs sample demo test lint jupyter clean
+
+install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
+
+system:  ## Debian packages: PostgreSQL 15 server, Java 17, Maven (only those missing)
+	missing=()
+	command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+	command -v mvn >/dev/null || missing+=(maven)
+	test -x $(PG_BIN)/pg_ctl || missing+=(postgresql-15)
+	[ $${#missing[@]} -eq 0 ] && exit 0
+	if [ "$$(id -u)" -ne 0 ]; then
+	  echo "error: missing system packages: $${missing[*]}; install them with sudo apt-get install -y $${missing[*]}" >&2
+	  exit 1
+	fi
+	# the stack runs its own cluster: don't let the package create and start a default one
+	mkdir -p /etc/postgresql-common
+	grep -qs '^create_main_cluster' /etc/postgresql-common/createcluster.conf || \
+	  echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$${missing[@]}"
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+fetch: $(STAMP)  ## Kafka, Apicurio Registry and Spark's Delta/Kafka/Avro jars into .stack/cache
+	$(PY) -m lib.stack fetch
+
+up: install  ## start PostgreSQL, Kafka and the registry (idempotent)
+	$(PY) -m lib.stack up
+
+down:  ## stop the stack (data and logs stay in .stack/)
+	$(PY) -m lib.stack down
+
+status:
+	$(PY) -m lib.stack status
+
+logs:
+	$(PY) -m lib.stack logs
+
+sample: up  ## load the sample bank database (once)
+	$(PY) -m lib.stack sample
+
+demo: sample  ## the main job on the local stack: notebooks in order, executed copies under runs/
+	if [ -z "$(NOTEBOOKS)" ]; then
+	  echo "demo      no notebooks yet in notebooks/: the stack runs and the sample database is loaded"
+	else
+	  $(PY) -m lib.jobs --target local
+	fi
+	$(PY) -m lib.stack status
+	echo
+	echo "Where to look:"
+	echo "  executed notebooks  runs/<timestamp>/ (newest: $$(ls -1d runs/*/ 2>/dev/null | tail -1))"
+	echo "  Jupyter             make jupyter      stop the stack: make down"
+
+lint: $(STAMP)
+	$(PY) -m ruff check lib tests bench notebooks
+
+test: up lint  ## the whole suite against the running stack (notebooks under nbval)
+	$(PY) -m pytest tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
+
+jupyter: up  ## JupyterLab on the notebooks, with the stack running
+	$(PY) -m jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
+
+clean: $(STAMP)  ## stop the stack and delete its data and logs (downloads in .stack/cache stay)
+	$(PY) -m lib.stack clean
