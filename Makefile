@@ -71,7 +71,7 @@ demo: sample  ## the main job on the local stack: notebooks in order, executed c
 	echo "  Jupyter             make jupyter      stop the stack: make down"
 
 lint: $(STAMP)
-	$(PY) -m ruff check lib tests bench notebooks
+	$(PY) -m ruff check $(wildcard lib tests bench notebooks)
 
 test: up lint  ## the whole suite against the running stack (notebooks under nbval)
 	$(PY) -m pytest tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
