@@ -1,0 +1,129 @@
+"""Register Avro schemas in the Confluent-compatible registry (Apicurio's /apis/ccompat/v7 locally).
+
+Subjects follow TopicNameStrategy: ``<topic>-key`` and ``<topic>-value`` (``subjects(topic)``).
+Schemas are always sent as ``avro_schemas.canonical_json`` text: Apicurio compares schema
+text literally, so any other spelling of the same schema would become a new version.
+
+Apicurio's global compatibility rule is NONE (Confluent's default is BACKWARD), so
+``register`` sets the subject's compatibility (default BACKWARD) when it creates the
+subject; it never changes the setting of a subject that already exists.
+"""
+
+from __future__ import annotations
+
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+from lib import config, secrets
+from lib.avro_schemas import canonical_json
+
+COMPATIBILITY_LEVELS = ("BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL",
+                        "FULL_TRANSITIVE", "NONE")
+SUBJECT_NOT_FOUND = 40401
+SCHEMA_NOT_FOUND = 40403
+
+
+class RegistryError(RuntimeError):
+    """The schema registry could not be reached or refused a request."""
+
+
+class IncompatibleSchemaError(RegistryError):
+    """The registry rejected a new schema version under the subject's compatibility rule (HTTP 409)."""
+
+
+def client(conf: dict) -> SchemaRegistryClient:
+    """A SchemaRegistryClient for registry.url; basic auth only when registry.user/password are in conf."""
+    settings = {"url": config.get(conf, "registry.url"), "timeout": 30}
+    user = config.get(conf, "registry.user", None)
+    if user is not None:
+        name = secrets.setting(conf, "registry.user") if secrets.is_reference(user) else str(user)
+        password = secrets.setting(conf, "registry.password")
+        settings["basic.auth.user.info"] = f"{name}:{password}"
+    return SchemaRegistryClient(settings)
+
+
+def subjects(topic: str) -> tuple[str, str]:
+    """(key subject, value subject) of a topic under TopicNameStrategy."""
+    return f"{topic}-key", f"{topic}-value"
+
+
+def register(client: SchemaRegistryClient, subject: str, schema_dict: dict,
+             compatibility: str | None = "BACKWARD") -> tuple[int, int, str]:
+    """Register schema_dict under subject unless it is there: (schema_id, version, 'registered' | 'exists').
+
+    A new subject first gets ``compatibility`` (None leaves the registry's default).
+    A 409 from the registry raises IncompatibleSchemaError naming the subject and the remedy.
+    """
+    if compatibility is not None and compatibility not in COMPATIBILITY_LEVELS:
+        raise ValueError(f"compatibility must be one of {', '.join(COMPATIBILITY_LEVELS)}, not {compatibility!r}")
+    schema = Schema(canonical_json(schema_dict), "AVRO")
+    url = _url(client)
+    found, subject_exists = _lookup(client, subject, schema, url)
+    if found is not None:
+        return found.schema_id, found.version, "exists"
+    if not subject_exists and compatibility is not None:
+        _call(lambda: client.set_compatibility(subject_name=subject, level=compatibility), subject, url)
+    try:
+        registered = client.register_schema_full_response(subject, schema)
+    except SchemaRegistryError as exc:
+        if exc.http_status_code == 409:
+            level = _call(lambda: client.get_compatibility(subject), subject, url)
+            raise IncompatibleSchemaError(
+                f"schema registry rejected the new schema of subject {subject} as incompatible under its "
+                f"{level} rule: {exc.error_message}. Remedy: keep the change compatible (add columns as "
+                f"nullable, widen int to bigint; a primary key change needs a new topic), or, once every "
+                f"consumer is ready, change the subject's compatibility (PUT /config/{subject}) or start a "
+                f"new topic and re-snapshot the table") from exc
+        raise _registry_error(exc, subject, url) from exc
+    except Exception as exc:
+        raise _unreachable(exc, subject, url) from exc
+    # the ccompat register response carries only the id; the version comes from a lookup
+    found, _ = _lookup(client, subject, schema, url)
+    version = found.version if found is not None else None
+    return registered.schema_id, version, "registered"
+
+
+def _url(client) -> str | None:
+    """The registry URL the client talks to (for messages; never includes credentials we add)."""
+    try:
+        return str(client.config().get("url"))
+    except Exception:
+        return None
+
+
+def _lookup(client, subject, schema, url):
+    """(RegisteredSchema or None, subject exists?) for schema under subject."""
+    try:
+        return client.lookup_schema(subject, schema), True
+    except SchemaRegistryError as exc:
+        if exc.http_status_code == 404 and exc.error_code == SUBJECT_NOT_FOUND:
+            return None, False
+        if exc.http_status_code == 404:
+            return None, True
+        raise _registry_error(exc, subject, url) from exc
+    except Exception as exc:
+        raise _unreachable(exc, subject, url) from exc
+
+
+def _call(fn, subject, url):
+    try:
+        return fn()
+    except SchemaRegistryError as exc:
+        raise _registry_error(exc, subject, url) from exc
+    except Exception as exc:
+        raise _unreachable(exc, subject, url) from exc
+
+
+def _registry_error(exc: SchemaRegistryError, subject: str, url: str | None) -> RegistryError:
+    if exc.http_status_code in (401, 403):
+        remedy = "check registry.user and registry.password (secret references) in conf"
+    else:
+        remedy = "see the registry's log"
+    return RegistryError(f"schema registry {url or ''} refused a request for subject {subject} "
+                         f"(HTTP {exc.http_status_code}, code {exc.error_code}): {exc.error_message}; {remedy}")
+
+
+def _unreachable(exc: Exception, subject: str, url: str | None) -> RegistryError:
+    return RegistryError(f"cannot reach the schema registry {url or ''} for subject {subject}: "
+                         f"{type(exc).__name__}: {exc}; check registry.url in conf and that the registry runs "
+                         f"(locally `make up`)")

@@ -1,0 +1,116 @@
+"""Create the per-table Kafka topics: log-compacted, fixed partition count, checked when they exist."""
+
+from __future__ import annotations
+
+import time
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
+
+
+class TopicError(RuntimeError):
+    """Kafka could not be reached or refused to create or describe a topic."""
+
+
+class TopicMismatchError(TopicError):
+    """An existing topic's settings differ from what the pipeline needs."""
+
+
+def topic_config(delete_retention_ms: int = SEVEN_DAYS_MS, min_compaction_lag_ms: int = 0,
+                 extra: dict | None = None) -> dict[str, str]:
+    """Topic-level settings of a new topic: compacted, tombstones kept delete_retention_ms."""
+    settings = {"cleanup.policy": "compact", "delete.retention.ms": str(int(delete_retention_ms)),
+                "min.compaction.lag.ms": str(int(min_compaction_lag_ms))}
+    for key, value in (extra or {}).items():
+        settings[key] = str(value)
+    if settings["cleanup.policy"] != "compact":
+        raise ValueError(f"cleanup.policy must stay 'compact' (a per-key topic that deletes by age loses rows), "
+                         f"not {settings['cleanup.policy']!r}")
+    return settings
+
+
+def ensure_topics(admin_client: AdminClient, names: list[str], partitions: int, config: dict | None = None, *,
+                  delete_retention_ms: int = SEVEN_DAYS_MS, min_compaction_lag_ms: int = 0,
+                  replication_factor: int = -1, timeout_s: float = 30.0) -> dict[str, str]:
+    """Create missing topics (compacted); per topic 'created' or 'exists'. Mismatch -> TopicMismatchError.
+
+    ``config`` holds extra topic settings for new topics (e.g. {"segment.ms": ...}).
+    ``delete.retention.ms`` is how long a delete's tombstone stays readable: it must exceed the
+    longest time a consumer (the Delta merge) can be stopped, or a restarted consumer misses
+    deletes. Existing topics are never altered; only cleanup.policy and partitions are checked.
+    replication_factor -1 uses the broker's default.replication.factor.
+    """
+    settings = topic_config(delete_retention_ms, min_compaction_lag_ms, config)
+    existing = _partition_counts(admin_client, timeout_s)
+    result: dict[str, str] = {}
+    to_create = [name for name in dict.fromkeys(names) if name not in existing]
+    if to_create:
+        futures = admin_client.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=replication_factor, config=settings)
+             for name in to_create], request_timeout=timeout_s)
+        for name, future in futures.items():
+            try:
+                future.result(timeout_s)
+                result[name] = "created"
+            except KafkaException as exc:
+                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":  # lost a race: check it like any other
+                    raise TopicError(f"cannot create topic {name}: {exc.args[0].str()}; check the broker log "
+                                     f"and that this client may create topics") from exc
+    to_check = [name for name in dict.fromkeys(names) if name not in result]
+    deadline = time.monotonic() + timeout_s
+    while any(name not in existing for name in to_check):  # created by someone else a moment ago
+        if time.monotonic() > deadline:
+            raise TopicError(f"topics {', '.join(n for n in to_check if n not in existing)} exist but do not "
+                             f"appear in the cluster metadata after {timeout_s:.0f} s; check the brokers")
+        time.sleep(0.5)
+        existing = _partition_counts(admin_client, timeout_s)
+    policies = _cleanup_policies(admin_client, to_check, timeout_s)
+    for name in to_check:
+        policy = policies[name]
+        if policy != "compact":
+            raise TopicMismatchError(
+                f"topic {name} exists with cleanup.policy={policy}, but it must be cleanup.policy=compact "
+                f"(one row per key, deletes as tombstones); remedy: kafka-configs.sh --alter --entity-type "
+                f"topics --entity-name {name} --add-config cleanup.policy=compact, or delete the topic and "
+                f"rerun the bootstrap (the table is snapshotted again)")
+        if existing[name] != partitions:
+            raise TopicMismatchError(
+                f"topic {name} exists with partitions={existing[name]}, but it must have partitions={partitions} "
+                f"(kafka.partitions); remedy: set kafka.partitions to {existing[name]}, or delete the topic and "
+                f"rerun the bootstrap (adding partitions to a keyed topic would move keys and break per-key order)")
+        result[name] = "exists"
+    return {name: result[name] for name in dict.fromkeys(names)}
+
+
+def _partition_counts(admin_client: AdminClient, timeout_s: float) -> dict[str, int]:
+    """Topic name -> partition count, from cluster metadata."""
+    try:
+        metadata = admin_client.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise TopicError(f"cannot list Kafka topics: {exc.args[0].str()}; check kafka.bootstrap_servers in conf "
+                         f"and that the brokers run (locally `make up`)") from exc
+    return {name: len(topic.partitions) for name, topic in metadata.topics.items()}
+
+
+def _cleanup_policies(admin_client: AdminClient, names: list[str], timeout_s: float) -> dict[str, str]:
+    """Topic name -> cleanup.policy."""
+    policies: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(policies) < len(names):
+        pending = [name for name in names if name not in policies]
+        futures = admin_client.describe_configs(
+            [ConfigResource(ConfigResource.Type.TOPIC, name) for name in pending], request_timeout=timeout_s)
+        for resource, future in futures.items():
+            try:
+                policies[resource.name] = future.result(timeout_s)["cleanup.policy"].value
+            except KafkaException as exc:
+                # a topic created a moment ago may not have reached every broker yet
+                if exc.args[0].name() == "UNKNOWN_TOPIC_OR_PART" and time.monotonic() < deadline:
+                    continue
+                raise TopicError(f"cannot read the configuration of topic {resource.name}: {exc.args[0].str()}; "
+                                 f"check that this client may describe topic configs") from exc
+        if len(policies) < len(names):
+            time.sleep(0.5)
+    return policies
