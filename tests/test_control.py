@@ -1,0 +1,35 @@
+"""The control topic: records written are read back, tombstones remove keys."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from lib import config, control
+
+
+@pytest.fixture
+def control_conf(live_stack, run_id):
+    conf = config.apply_overrides(live_stack, {"CDC__KAFKA__TOPIC_PREFIX": f"cdc-test-{run_id}"})
+    assert control.ensure(conf) == "created"
+    yield conf
+    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    admin.delete_topics([control.topic(conf)])[control.topic(conf)].result(30)
+
+
+def test_records_round_trip_and_tombstones_remove_them(control_conf):
+    assert control.read_all(control_conf) == {}
+    assert control.snapshot_state(control_conf, "s1") is None
+    control.put(control_conf, "snapshot/s1", {"state": "running", "consistent_lsn": 10})
+    control.put(control_conf, "snapshot/s1", {"state": "complete", "consistent_lsn": 10})
+    control.put(control_conf, "truncate/bank.cards", {"commit_lsn": 99})
+    assert control.snapshot_state(control_conf, "s1") == {"state": "complete", "consistent_lsn": 10}
+    control.put(control_conf, "truncate/bank.cards", None)
+    assert control.read_all(control_conf) == {"snapshot/s1": {"state": "complete", "consistent_lsn": 10}}
+    assert control.ensure(control_conf) == "exists"
+
+
+def test_missing_control_topic_says_to_run_notebook_01(live_stack, run_id):
+    conf = config.apply_overrides(live_stack, {"CDC__KAFKA__TOPIC_PREFIX": f"cdc-test-{run_id}-missing"})
+    with pytest.raises(control.ControlError, match=r"__cdc_control.*notebook 01"):
+        control.read_all(conf, timeout=5)
