@@ -1,0 +1,56 @@
+"""Every notebook teaches the same way: an opening, a parameters cell, no definitions, no outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lib import jobs
+
+NOTEBOOKS = jobs.notebooks()
+
+
+def code_cells(notebook):
+    return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def source(cell) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def test_the_numbered_notebooks_exist():
+    names = [path.stem for path in NOTEBOOKS]
+    assert names and names[0] == "01_bootstrap_slot", names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_opens_with_title_and_explains_job_and_parameters(path):
+    notebook = json.loads(path.read_text())
+    first = notebook["cells"][0]
+    assert first["cell_type"] == "markdown"
+    text = source(first)
+    assert text.startswith("# "), "the first cell is a markdown H1 title"
+    assert "job" in text.lower() and "parameters" in text.lower()
+    assert "**Next:**" in source(notebook["cells"][-1]) or path == NOTEBOOKS[-1]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_first_code_cell_is_the_papermill_parameters_cell(path):
+    cells = code_cells(json.loads(path.read_text()))
+    assert "parameters" in cells[0].get("metadata", {}).get("tags", [])
+    assert "target = " in source(cells[0])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_function_or_class_definitions_and_short_cells(path):
+    for cell in code_cells(json.loads(path.read_text())):
+        lines = source(cell).splitlines()
+        assert not any(line.lstrip().startswith(("def ", "class ", "async def ")) for line in lines), source(cell)
+        assert len(lines) <= 12, f"a code cell of {len(lines)} lines: move the logic into lib/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_without_outputs(path):
+    for cell in code_cells(json.loads(path.read_text())):
+        assert not cell.get("outputs") and cell.get("execution_count") is None
