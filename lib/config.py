@@ -3,8 +3,9 @@
 The override rule: an environment variable ``CDC__<SECTION>__<KEY>`` replaces the value at
 ``section.key`` (any depth, ``__`` between levels, case-insensitive), parsed as YAML so
 ``CDC__KAFKA__PARTITIONS=6`` is a number and ``CDC__STACK__POSTGRES__FSYNC=false`` a bool.
-``CDC_TARGET`` picks the file when the caller does not. Secrets never live here: a value
-that is a secret is a reference (see lib/secrets.py).
+``CDC_TARGET`` picks the file when the caller does not, and ``CDC_CONF_DIR`` the folder (on
+Databricks, where lib/ is installed as a wheel, the bundle points it at the synced conf/).
+Secrets never live here: a value that is a secret is a reference (see lib/secrets.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def load(target: str | None = None, conf_dir: Path | str | None = None, environ=
     """Read conf/<target>.yml and apply CDC__ environment overrides."""
     environ = os.environ if environ is None else environ
     target = target or environ.get("CDC_TARGET") or "local"
-    folder = Path(conf_dir) if conf_dir else CONF_DIR
+    folder = Path(conf_dir or environ.get("CDC_CONF_DIR") or CONF_DIR)
     path = folder / f"{target}.yml"
     if not path.is_file():
         known = sorted(p.stem for p in folder.glob("*.yml"))
