@@ -13,6 +13,7 @@ PG_BIN := /usr/lib/postgresql/15/bin
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
 .PHONY: install system fetch up down status logs sample demo test lint jupyter clean
+.SILENT: system demo
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
 
