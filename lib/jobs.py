@@ -13,9 +13,9 @@ from lib import config
 NOTEBOOKS = config.PROJECT_ROOT / "notebooks"
 
 
-def notebooks(only: list[str] | None = None) -> list[Path]:
+def notebooks(only: list[str] | None = None, folder: Path = NOTEBOOKS) -> list[Path]:
     """The numbered notebooks in order, optionally only those whose name starts with a prefix."""
-    found = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    found = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if only:
         found = [path for path in found if any(path.name.startswith(prefix) for prefix in only)]
     return found
@@ -23,26 +23,33 @@ def notebooks(only: list[str] | None = None) -> list[Path]:
 
 def run_dir(runs_dir: Path) -> Path:
     """A new timestamped folder for one job run."""
-    folder = runs_dir / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    folder.mkdir(parents=True, exist_ok=False)
-    return folder
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 100):
+        folder = runs_dir / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"too many job runs started at {stamp} in {runs_dir}")
 
 
 def run(target: str = "local", only: list[str] | None = None, parameters: dict | None = None,
-        log=print) -> list[dict]:
+        log=print, folder: Path = NOTEBOOKS) -> list[dict]:
     """Execute the notebooks in order with papermill; stop at the first failure."""
     import papermill
 
     conf = config.load(target)
-    folder = run_dir(config.project_path(config.get(conf, "jobs.runs_dir")))
+    out_dir = run_dir(config.project_path(config.get(conf, "jobs.runs_dir")))
     results = []
-    for path in notebooks(only):
-        output = folder / path.name
+    for path in notebooks(only, folder):
+        output = out_dir / path.name
         began = time.monotonic()
         log(f"job       {path.stem}: running (executed copy: {output})")
         try:
             papermill.execute_notebook(str(path), str(output), parameters={"target": target, **(parameters or {})},
-                                       cwd=str(NOTEBOOKS), progress_bar=False, kernel_name="python3")
+                                       cwd=str(folder), progress_bar=False, kernel_name="python3")
         except papermill.PapermillExecutionError as exc:
             results.append({"notebook": path.stem, "ok": False, "seconds": time.monotonic() - began,
                             "output": output, "error": f"{exc.ename}: {exc.evalue}"})
