@@ -126,12 +126,10 @@ def start(conf: dict, stack_dir: Path, log=print) -> int | None:
     """Start the broker if it is not running; returns the pid of a new process."""
     where = files(stack_dir)
     host, port = endpoint(conf)
-    if process.running_pid("kafka", where["pid"], MARKER):
-        log(f"kafka     already running on port {port}")
-        return None
-    process.require_free_port("kafka", host, port, "kafka.bootstrap_servers")
     controller = int(config.get(conf, "stack.kafka.controller_port"))
-    process.require_free_port("kafka controller", host, controller, "stack.kafka.controller_port")
+    ports = [(host, port, "kafka.bootstrap_servers"), (host, controller, "stack.kafka.controller_port")]
+    if not process.claim("kafka", where["pid"], MARKER, ports, log):
+        return None
     java_bin = java()
     write_config(conf, where)
     format_storage(java_bin, stack_dir, where)

@@ -76,6 +76,16 @@ def running_pid(service: str, pid_file: Path, marker: str) -> int | None:
     )
 
 
+def claim(service: str, pid_file: Path, marker: str, ports: list[tuple[str, int, str]], log=print) -> bool:
+    """False when the service already runs; otherwise True once each (host, port, setting) is free."""
+    if running_pid(service, pid_file, marker):
+        log(f"{service:9s} already running on port {ports[0][1]}")
+        return False
+    for host, port, setting in ports:
+        require_free_port(service, host, port, setting)
+    return True
+
+
 def recorded_state(service: str, pid_file: Path, marker: str) -> tuple[int | None, str]:
     """(pid, state) of a service started with a pid file, for status reports."""
     try:

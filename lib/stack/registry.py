@@ -69,12 +69,10 @@ def start(conf: dict, stack_dir: Path, log=print) -> int | None:
     """Start the registry if it is not running; returns the pid of a new process."""
     where = files(stack_dir)
     host, port = endpoint(conf)
-    if process.running_pid("registry", where["pid"], MARKER):
-        log(f"registry  already running on port {port}")
-        return None
-    process.require_free_port("registry", host, port, "registry.url")
     management = int(config.get(conf, "stack.registry.management_port"))
-    process.require_free_port("registry management", host, management, "stack.registry.management_port")
+    ports = [(host, port, "registry.url"), (host, management, "stack.registry.management_port")]
+    if not process.claim("registry", where["pid"], MARKER, ports, log):
+        return None
     java_bin = kafka.java()
     jar = runner(stack_dir)
     heap = config.get(conf, "stack.registry.heap")
