@@ -74,7 +74,7 @@ demo: sample  ## the main job on the local stack: notebooks in order, executed c
 lint: $(STAMP)
 	$(PY) -m ruff check $(wildcard lib tests bench notebooks)
 
-test: up lint  ## the whole suite against the running stack (notebooks under nbval)
+test: sample lint  ## the whole suite against the running stack (notebooks under nbval)
 	$(PY) -m pytest tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
 
 jupyter: up  ## JupyterLab on the notebooks, with the stack running

@@ -150,6 +150,8 @@ def require(findings: list[Finding]) -> None:
 def ensure_publication(conf: dict, tables: dict[str, catalog.Table]) -> str:
     """Create the publication for exactly the configured tables; 'created' or 'exists'; mismatch -> error."""
     name = config.get(conf, "source.publication")
+    if not tables:
+        raise BootstrapError(f"publication {name}: no tables to publish; the prerequisite checks must pass first")
     wanted = {t.qualified for t in tables.values()}
     conn = source.connect(conf, admin=True)
     conn.autocommit = True
