@@ -55,18 +55,26 @@ def apply_overrides(conf: dict, environ) -> dict:
     for name in sorted(environ):
         if not name.upper().startswith(ENV_PREFIX) or len(name) <= len(ENV_PREFIX):
             continue
-        keys = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        keys = name[len(ENV_PREFIX):].split("__")
         if any(not key for key in keys):
             raise ConfigError(f"environment override {name} has an empty level; use CDC__SECTION__KEY")
         node = result
         for depth, key in enumerate(keys[:-1]):
-            child = node.setdefault(key, {})
+            child = node.setdefault(_existing_key(node, key), {})
             if not isinstance(child, dict):
-                where = ".".join(keys[: depth + 1])
+                where = ".".join(k.lower() for k in keys[: depth + 1])
                 raise ConfigError(f"environment override {name}: {where} is a value, not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(environ[name]) if environ[name] != "" else ""
+        node[_existing_key(node, keys[-1])] = yaml.safe_load(environ[name]) if environ[name] != "" else ""
     return result
+
+
+def _existing_key(node: dict, key: str) -> str:
+    """The key of node that matches key case-insensitively (keeps e.g. Spark's camelCase), else key lower-cased."""
+    for existing in node:
+        if str(existing).lower() == key.lower():
+            return existing
+    return key.lower()
 
 
 def get(conf: dict, dotted: str, default=...):

@@ -116,3 +116,9 @@ def test_databricks_reference_resolves_through_dbutils(conf_dir):
 def test_describe_never_shows_a_value():
     assert secrets.describe({"env": "X"}) == "env:X"
     assert secrets.describe({"scope": "s", "key": "k"}) == "databricks secret s/k"
+
+
+def test_override_keeps_the_case_of_an_existing_key(tmp_path):
+    (tmp_path / "t.yml").write_text("spark:\n  settings:\n    spark.sql.catalogImplementation: in-memory\n")
+    conf = config.load("t", tmp_path, {"CDC__SPARK__SETTINGS__SPARK.SQL.CATALOGIMPLEMENTATION": "hive"})
+    assert conf["spark"]["settings"] == {"spark.sql.catalogImplementation": "hive"}
