@@ -1,0 +1,970 @@
+"""Merge stage: the table topics (Confluent Avro, Debezium envelope) -> Delta bronze change log and silver tables.
+
+One Structured Streaming query reads every configured table topic; ``foreachBatch`` splits each
+micro-batch by topic and, per table:
+
+- **bronze** ``<lake.root>/bronze/<schema>/<table>``: every event and tombstone, decoded (``key``,
+  ``before``, ``after``, ``source``, ``op``, ...) plus its Kafka coordinates. Appended with Delta's
+  ``txnAppId``/``txnVersion`` so a retried micro-batch never adds rows twice.
+- **silver** ``<lake.root>/silver/<schema>/<table>``: the source table's columns (Avro field names)
+  plus ``_commit_lsn``, ``_event_serial``, ``_op``, ``_deleted``, ``_deleted_at``, ``_updated_at``
+  and ``_unknown_cols``. Exactly one MERGE per table per micro-batch, idempotent the same way.
+  An event is applied only when its (commit_lsn, event_serial) is newer than the stored one.
+  Deletes keep a soft tombstone (``_deleted = true``, position kept) until
+  ``merge.tombstone_retention_hours``; ``cleanup_tombstones`` removes older ones.
+- poison input (not Confluent-framed, unknown schema id, undecodable, null key, impossible event)
+  goes to ``<lake.root>/_dead_letter`` with its raw bytes and a reason; the stream goes on.
+
+Decisions an operator should know (docs/events.md is the event contract):
+
+- Silver column names are the Avro field names (a column whose name is not a valid Avro name,
+  e.g. ``first name``, is ``first_name`` in silver; Delta refuses such names without column mapping).
+- TOAST: a column listed in ``unchanged_cols`` keeps the stored value. When no row is stored yet
+  (only possible if the stream started without the snapshot), the row is inserted with null there
+  and the column is listed in ``_unknown_cols`` until a later event carries its value;
+  ``summary`` counts such rows and ``reconcile`` reports them as different.
+- A tombstone (null value) whose ``d`` event is in the same batch changes nothing. A tombstone
+  alone for a key (its ``d`` was compacted away) soft-deletes the stored row with ``_op =
+  'tombstone'`` keeping the stored position; an event at exactly that position may re-apply
+  (a replay of the stored state), an older one may not.
+- An update whose ``before`` carries another primary key (a key change) also soft-deletes the old
+  key at the update's position (Debezium's d + c for a key change works too).
+- Truncates come from the control topic (``truncate/<schema.table>``, lib/control.py), read at the
+  start of every micro-batch (the query subscribes to the control topic too, so a truncate alone
+  starts a batch): rows older than the truncate are soft-deleted (``_op = 't'``) in the same MERGE,
+  and incoming events older than it are ignored.
+- Schema changes: each message is decoded with its own writer schema (never a fixed reader: the
+  registry's compatibility check ignores logical types, so reading decimal(14,2) bytes with a
+  decimal(14,3) reader would shift values), then conformed by name to the union of every version
+  of the value subject (types of the newest version that has the field). New columns are added to
+  silver (ALTER TABLE ADD COLUMNS) and bronze (mergeSchema); a dropped column stays in silver and is
+  null in rows written by newer events; int -> bigint is widened (Delta type widening).
+- Idempotence ids: txnAppId = ``<query name>-<query id>/<schema.table>``, txnVersion = batch id. The
+  query id lives in the checkpoint, so a new checkpoint gets new ids (Delta would otherwise skip
+  every batch whose id is not above the old checkpoint's, silently).
+
+Settings (all optional, under ``merge:``): ``query_name``, ``max_offsets_per_trigger`` (100000),
+``fail_on_data_loss`` (true), ``kafka_options`` (extra Kafka consumer options, values may be secret
+references), ``tombstone_retention_hours`` (168), ``cleanup_interval_minutes`` (60),
+``control_timeout_s`` (30), ``restart_attempts`` (2, run_until_caught_up only).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.avro.functions import from_avro
+
+from lib import avro_schemas, config, control, schema_registry, secrets
+from lib.catalog import split_name
+
+log = logging.getLogger(__name__)
+
+META_COLUMNS = ("_commit_lsn", "_event_serial", "_op", "_deleted", "_deleted_at", "_updated_at", "_unknown_cols")
+REASONS = ("not_framed", "null_key", "unknown_schema_id", "undecodable", "bad_event")
+OPS = ("c", "u", "d", "r")
+DEFAULT_MAX_OFFSETS = 100_000
+DEFAULT_RETENTION_HOURS = 168
+DEFAULT_CLEANUP_MINUTES = 60
+
+SOURCE_TYPE = T.StructType([T.StructField(name, kind) for name, kind in (
+    ("version", T.StringType()), ("connector", T.StringType()), ("name", T.StringType()),
+    ("ts_ms", T.LongType()), ("snapshot", T.StringType()), ("db", T.StringType()),
+    ("sequence", T.StringType()), ("schema", T.StringType()), ("table", T.StringType()),
+    ("txId", T.LongType()), ("lsn", T.LongType()), ("xmin", T.LongType()),
+    ("commit_lsn", T.LongType()), ("event_serial", T.LongType()))])
+TRANSACTION_TYPE = T.StructType([T.StructField("id", T.StringType()), T.StructField("total_order", T.LongType()),
+                                 T.StructField("data_collection_order", T.LongType())])
+DEAD_LETTER_SCHEMA = T.StructType([
+    T.StructField("topic", T.StringType()), T.StructField("partition", T.IntegerType()),
+    T.StructField("offset", T.LongType()), T.StructField("timestamp", T.TimestampType()),
+    T.StructField("key", T.BinaryType()), T.StructField("value", T.BinaryType()),
+    T.StructField("reason", T.StringType()), T.StructField("detail", T.StringType()),
+    T.StructField("key_schema_id", T.LongType()), T.StructField("value_schema_id", T.LongType()),
+    T.StructField("batch_id", T.LongType()), T.StructField("query", T.StringType()),
+    T.StructField("ingested_at", T.TimestampType())])
+_NOT_FRAMED = "is not Confluent wire format (magic byte 0 + 4-byte schema id): produce with the registry's serializer"
+_TXN_APP, _TXN_VERSION = "spark.databricks.delta.write.txnAppId", "spark.databricks.delta.write.txnVersion"
+
+
+class MergeError(RuntimeError):
+    """The merge cannot go on: the message names the table, column or setting and the remedy."""
+
+
+# ---------------------------------------------------------------------------------------------
+# tables, names, paths
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A configured table: its schema, name and topic."""
+
+    schema: str
+    name: str
+    topic: str
+
+    @property
+    def qualified(self) -> str:
+        """schema.table (as in the control topic's truncate/<schema.table> keys)."""
+        return f"{self.schema}.{self.name}"
+
+
+def table_specs(conf: dict) -> list[TableSpec]:
+    """The configured tables (source.tables) with their topics; unquoted names fold to lower case like SQL."""
+    prefix = config.get(conf, "kafka.topic_prefix")
+    specs = []
+    for name in config.get(conf, "source.tables"):
+        schema, table = split_name(name)
+        if '"' not in name:
+            schema, table = (schema.lower() if schema else None), table.lower()
+        schema = schema or "public"
+        specs.append(TableSpec(schema, table, avro_schemas.topic_name(prefix, f"{schema}.{table}")))
+    return specs
+
+
+def quote(name: str) -> str:
+    """A SQL identifier in backticks."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _path(conf: dict, *parts: str) -> str:
+    return "/".join([config.location(config.get(conf, "lake.root")).rstrip("/"), *parts])
+
+
+def bronze_path(conf: dict, spec: TableSpec) -> str:
+    """<lake.root>/bronze/<schema>/<table>."""
+    return _path(conf, "bronze", spec.schema, spec.name)
+
+
+def silver_path(conf: dict, spec: TableSpec) -> str:
+    """<lake.root>/silver/<schema>/<table>."""
+    return _path(conf, "silver", spec.schema, spec.name)
+
+
+def dead_letter_path(conf: dict) -> str:
+    """<lake.root>/_dead_letter."""
+    return _path(conf, "_dead_letter")
+
+
+def checkpoint_path(conf: dict, query_name: str) -> str:
+    """<lake.root>/_checkpoints/<query name>: one folder per streaming query."""
+    return _path(conf, "_checkpoints", query_name)
+
+
+def query_name(conf: dict) -> str:
+    """merge.query_name, default 'merge_<topic prefix>' (names must be unique among a session's queries)."""
+    default = "merge_" + re.sub(r"[^A-Za-z0-9_]", "_", str(config.get(conf, "kafka.topic_prefix")))
+    return str(config.get(conf, "merge.query_name", default))
+
+
+# ---------------------------------------------------------------------------------------------
+# schemas from the registry
+
+
+class Schemas:
+    """Writer schemas by id (each fetched once) and the versions of each subject, cached on the driver."""
+
+    def __init__(self, conf: dict, client=None):
+        self.client = client or schema_registry.client(conf)
+        self.url = config.get(conf, "registry.url", "")
+        self.by_id: dict[int, dict | None] = {}
+        self.subject_ids: dict[str, list[int]] = {}  # subject -> ids, oldest version first
+        self.spark_types: dict[int, T.DataType] = {}
+
+    def writer(self, schema_id: int) -> dict | None:
+        """The parsed writer schema of an id; None when the registry does not know it (404)."""
+        if schema_id not in self.by_id:
+            try:
+                self.by_id[schema_id] = json.loads(self.client.get_schema(schema_id).schema_str)
+            except SchemaRegistryError as exc:
+                if exc.http_status_code != 404:
+                    raise MergeError(f"schema registry {self.url} failed to return schema id {schema_id} "
+                                     f"(HTTP {exc.http_status_code}): {exc.error_message}; check registry.url "
+                                     f"and the registry's log") from exc
+                self.by_id[schema_id] = None
+        return self.by_id[schema_id]
+
+    def versions(self, subject: str, refresh: bool = False) -> list[int]:
+        """Schema ids of every version of subject, oldest first ([] when the subject does not exist)."""
+        if refresh or subject not in self.subject_ids:
+            try:
+                numbers = sorted(self.client.get_versions(subject))
+            except SchemaRegistryError as exc:
+                if exc.http_status_code != 404:
+                    raise MergeError(f"schema registry {self.url} failed to list versions of {subject} "
+                                     f"(HTTP {exc.http_status_code}): {exc.error_message}") from exc
+                numbers = []
+            ids = []
+            for number in numbers:
+                registered = self.client.get_version(subject, number)
+                self.by_id.setdefault(registered.schema_id, json.loads(registered.schema.schema_str))
+                ids.append(registered.schema_id)
+            self.subject_ids[subject] = ids
+        return self.subject_ids[subject]
+
+    def spark_type(self, spark: SparkSession, schema_id: int) -> T.DataType:
+        """The Spark type from_avro gives a writer schema (analysis only, no job)."""
+        if schema_id not in self.spark_types:
+            text = json.dumps(self.by_id[schema_id])
+            frame = spark.range(0).select(from_avro(F.lit(None).cast("binary"), text).alias("x"))
+            self.spark_types[schema_id] = frame.schema["x"].dataType
+        return self.spark_types[schema_id]
+
+
+@dataclass
+class Layout:
+    """How one table's messages in a batch decode: writer ids, target row and key structs."""
+
+    value_ids: list[int]
+    key_ids: list[int]
+    row: T.StructType  # union of every version's Value fields
+    key: T.StructType
+    nullable: set[str]  # fields that may be null in some version (TOAST candidates)
+    pg_names: dict[int, dict[str, str]]  # writer id -> {pg column: avro field} where they differ
+
+
+def _value_record(schema: dict) -> dict | None:
+    """The 'Value' record inside an envelope schema (defined in before or after)."""
+    for fld in schema.get("fields", []):
+        if fld["name"] in ("before", "after"):
+            types = fld["type"] if isinstance(fld["type"], list) else [fld["type"]]
+            for t in types:
+                if isinstance(t, dict) and t.get("type") == "record":
+                    return t
+    return None
+
+
+def _layout(spark: SparkSession, schemas: Schemas, spec: TableSpec, value_ids: set[int],
+            key_ids: set[int]) -> Layout:
+    """Resolve the writer ids seen in a batch and the table's target structs."""
+    key_subject, value_subject = schema_registry.subjects(spec.topic)
+    versions = schemas.versions(value_subject)
+    if any(i not in versions for i in value_ids):
+        versions = schemas.versions(value_subject, refresh=True)
+    known_values = sorted(i for i in value_ids if schemas.writer(i) is not None)
+    ordered = list(reversed(versions)) + [i for i in known_values if i not in versions]
+    row_fields: dict[str, T.StructField] = {}
+    nullable: set[str] = set()
+    pg_names: dict[int, dict[str, str]] = {}
+    for schema_id in ordered:
+        record = _value_record(schemas.by_id[schema_id]) or {"fields": []}
+        after = schemas.spark_type(spark, schema_id)["after"].dataType
+        for fld in after.fields:
+            row_fields.setdefault(fld.name.lower(), T.StructField(fld.name, fld.dataType))
+        for fld in record["fields"]:
+            if isinstance(fld["type"], list) and "null" in fld["type"]:
+                nullable.add(fld["name"])
+        renamed = {f["pg.column"]: f["name"] for f in record["fields"] if "pg.column" in f}
+        if renamed:
+            pg_names[schema_id] = renamed
+    key_versions = schemas.versions(key_subject)
+    if any(i not in key_versions for i in key_ids):
+        key_versions = schemas.versions(key_subject, refresh=True)
+    known_keys = sorted(i for i in key_ids if schemas.writer(i) is not None)
+    key_order = list(reversed(key_versions)) + [i for i in known_keys if i not in key_versions]
+    key_type = schemas.spark_type(spark, key_order[0]) if key_order else T.StructType([])
+    row = T.StructType(list(row_fields.values()))
+    for name in (f.name for f in row.fields):
+        if name.lower() in META_COLUMNS or name.startswith("__"):
+            raise MergeError(f"table {spec.qualified} has a column {name} whose name the merge reserves for its own "
+                             f"columns ({', '.join(META_COLUMNS)}, __*): rename the source column")
+    missing = [f.name for f in key_type.fields if f.name.lower() not in row_fields]
+    if missing and row.fields:
+        raise MergeError(f"topic {spec.topic}: key field(s) {', '.join(missing)} are not fields of the value "
+                         f"schema; the key must be the table's primary key columns (see docs/events.md)")
+    return Layout(known_values, known_keys, row, key_type, nullable, pg_names)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding (built-in functions only: no Python on the hot path)
+
+
+def _framed(c: Column) -> Column:
+    return c.isNotNull() & (F.length(c) >= 5) & (F.hex(F.substring(c, 1, 1)) == F.lit("00"))
+
+
+def _schema_id(c: Column) -> Column:
+    return F.when(_framed(c), F.conv(F.hex(F.substring(c, 2, 4)), 16, 10).cast("long"))
+
+
+def headers(raw: DataFrame) -> DataFrame:
+    """Kafka rows -> the same rows plus framing flags and key/value schema ids (nulls when not framed)."""
+    return raw.select(
+        F.col("key").alias("__k"), F.col("value").alias("__v"), "topic", "partition", "offset", "timestamp",
+        _framed(F.col("key")).alias("__kf"), _framed(F.col("value")).alias("__vf"),
+        _schema_id(F.col("key")).alias("__kid"), _schema_id(F.col("value")).alias("__vid"))
+
+
+def _conform(c: Column, src: T.DataType, dst: T.DataType) -> Column:
+    """c (of type src) as type dst: structs matched by field name, missing fields null, atomic types cast."""
+    if src == dst:
+        return c
+    if isinstance(src, T.StructType) and isinstance(dst, T.StructType):
+        names = {f.name.lower(): f for f in src.fields}
+        parts = []
+        for f in dst.fields:
+            have = names.get(f.name.lower())
+            value = _conform(c[have.name], have.dataType, f.dataType) if have else F.lit(None).cast(f.dataType)
+            parts.append(value.alias(f.name))
+        return F.when(c.isNotNull(), F.struct(*parts))
+    if isinstance(src, T.ArrayType) and isinstance(dst, T.ArrayType) and isinstance(dst.elementType, T.StructType):
+        return F.transform(c, lambda x: _conform(x, src.elementType, dst.elementType))
+    return c.cast(dst)
+
+
+def _envelope_type(row: T.StructType) -> T.StructType:
+    return T.StructType([
+        T.StructField("before", row), T.StructField("after", row), T.StructField("source", SOURCE_TYPE),
+        T.StructField("op", T.StringType()), T.StructField("ts_ms", T.LongType()),
+        T.StructField("transaction", TRANSACTION_TYPE),
+        T.StructField("unchanged_cols", T.ArrayType(T.StringType()))])
+
+
+def _normalize(e: Column, writer: T.StructType, layout: Layout, schema_id: int) -> Column:
+    """One writer's decoded envelope -> the table's envelope type (Debezium writers without our ordering
+    fields fall back to source.lsn and event_serial -1 for snapshot rows, 0 otherwise)."""
+    names = {f.name: f.dataType for f in writer.fields}
+
+    def part(name: str, dst: T.DataType) -> Column:
+        return _conform(e[name], names[name], dst) if name in names else F.lit(None).cast(dst)
+
+    source = part("source", SOURCE_TYPE)
+    src_fields = {f.name for f in names["source"].fields} if isinstance(names.get("source"), T.StructType) else set()
+    if "commit_lsn" not in src_fields or "event_serial" not in src_fields:
+        snapshot = F.coalesce(source["snapshot"], F.lit("false"))
+        source = source.withField("commit_lsn", F.coalesce(source["commit_lsn"], source["lsn"])).withField(
+            "event_serial", F.coalesce(source["event_serial"],
+                                       F.when(snapshot.isin("true", "last", "first", "incremental"), -1).otherwise(0)
+                                       .cast("long")))
+    unchanged = F.coalesce(part("unchanged_cols", T.ArrayType(T.StringType())), F.array().cast("array<string>"))
+    renamed = layout.pg_names.get(schema_id)
+    if renamed:
+        mapping = F.create_map(*[F.lit(x) for pair in renamed.items() for x in pair])
+        unchanged = F.transform(unchanged, lambda x: F.coalesce(mapping[x], x))
+    return F.struct(part("before", layout.row).alias("before"), part("after", layout.row).alias("after"),
+                    source.alias("source"), part("op", T.StringType()).alias("op"),
+                    part("ts_ms", T.LongType()).alias("ts_ms"),
+                    part("transaction", TRANSACTION_TYPE).alias("transaction"), unchanged.alias("unchanged_cols"))
+
+
+def decode(framed: DataFrame, spark: SparkSession, schemas: Schemas, layout: Layout, batch_id: int) -> DataFrame:
+    """One table's rows (from ``headers``) -> __key, __env and __tomb, or __reason/__detail for dead letters.
+
+    Each writer id gets its own from_avro (PERMISSIVE: a body that does not decode gives nulls) under a
+    ``when`` on the schema id, computed once in a projection of its own, then conformed to the table's
+    structs and combined.
+    """
+    body = F.expr("substr(`__v`, 6)")
+    kbody = F.expr("substr(`__k`, 6)")
+    decoded = [F.col(c) for c in ("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf",
+                                  "__kid", "__vid")]
+    for i in layout.value_ids:
+        decoded.append(F.when(F.col("__vid") == i, from_avro(body, json.dumps(schemas.by_id[i]),
+                                                             {"mode": "PERMISSIVE"})).alias(f"__v{i}"))
+    for i in layout.key_ids:
+        decoded.append(F.when(F.col("__kid") == i, from_avro(kbody, json.dumps(schemas.by_id[i]),
+                                                             {"mode": "PERMISSIVE"})).alias(f"__k{i}"))
+    stage = framed.select(*decoded)
+    env_type = _envelope_type(layout.row)
+    env = F.lit(None).cast(env_type)
+    for i in reversed(layout.value_ids):
+        writer = schemas.spark_type(spark, i)
+        env = F.when(F.col("__vid") == i, _normalize(F.col(f"__v{i}"), writer, layout, i)).otherwise(env)
+    key = F.lit(None).cast(layout.key)
+    for i in reversed(layout.key_ids):
+        key = F.when(F.col("__kid") == i, _conform(F.col(f"__k{i}"), schemas.spark_type(spark, i), layout.key)) \
+            .otherwise(key)
+    out = stage.select("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf", "__kid", "__vid",
+                       key.alias("__key"), env.alias("__env"))
+    known_v = F.col("__vid").isin(layout.value_ids) if layout.value_ids else F.lit(False)
+    known_k = F.col("__kid").isin(layout.key_ids) if layout.key_ids else F.lit(False)
+    first_key = layout.key.fields[0].name if layout.key.fields else None
+    key_bad = F.col("__key").isNull() | (F.col("__key")[first_key].isNull() if first_key else F.lit(True))
+    op, after = F.col("__env.op"), F.col("__env.after")
+    where = F.concat_ws(" ", F.lit("at"), F.col("topic"), F.lit("partition"), F.col("partition").cast("string"),
+                        F.lit("offset"), F.col("offset").cast("string"))
+    tomb = F.col("__v").isNull()
+    rules = [
+        (F.col("__k").isNull(), "null_key", F.lit("message without a key")),
+        (~tomb & ~F.col("__vf"), "not_framed",
+         F.lit(f"value {_NOT_FRAMED}")),
+        (~F.col("__kf"), "not_framed",
+         F.lit(f"key {_NOT_FRAMED}")),
+        (~tomb & ~known_v, "unknown_schema_id",
+         F.concat(F.lit("value schema id "), F.col("__vid").cast("string"), F.lit(" is not in the registry"))),
+        (~known_k, "unknown_schema_id",
+         F.concat(F.lit("key schema id "), F.col("__kid").cast("string"), F.lit(" is not in the registry"))),
+        (key_bad, "undecodable",
+         F.concat(F.lit("key does not decode with schema id "), F.col("__kid").cast("string"))),
+        (~tomb & op.isNull(), "undecodable",
+         F.concat(F.lit("value does not decode with schema id "), F.col("__vid").cast("string"))),
+        (~tomb & ~op.isin(*OPS), "bad_event",
+         F.concat(F.lit("op "), op, F.lit(" is not one of c, u, d, r (truncates belong in the control topic)"))),
+        (~tomb & (op != "d") & after.isNull(), "bad_event", F.concat(F.lit("op "), op, F.lit(" without after"))),
+        (~tomb & F.col("__env.source.commit_lsn").isNull(), "bad_event",
+         F.lit("source.commit_lsn (and source.lsn) missing: the event has no position")),
+    ]
+    reason, detail = F.lit(None).cast("string"), F.lit(None).cast("string")
+    for cond, name, text in reversed(rules):
+        reason = F.when(cond, F.lit(name)).otherwise(reason)
+        detail = F.when(cond, F.concat_ws(" ", text, where)).otherwise(detail)
+    return out.select("*", tomb.alias("__tomb"), reason.alias("__reason"), detail.alias("__detail"),
+                      F.lit(batch_id).cast("long").alias("__batch"))
+
+
+def bronze_rows(decoded: DataFrame) -> DataFrame:
+    """Good decoded rows -> the bronze change-log layout (tombstones have op null and _tombstone true)."""
+    return decoded.filter(F.col("__reason").isNull()).select(
+        F.col("__key").alias("key"), F.col("__env.op").alias("op"), F.col("__env.before").alias("before"),
+        F.col("__env.after").alias("after"), F.col("__env.source").alias("source"),
+        F.col("__env.ts_ms").alias("ts_ms"), F.col("__env.transaction").alias("transaction"),
+        F.col("__env.unchanged_cols").alias("unchanged_cols"), F.col("__tomb").alias("_tombstone"),
+        F.col("topic").alias("_kafka_topic"), F.col("partition").alias("_kafka_partition"),
+        F.col("offset").alias("_kafka_offset"), F.col("timestamp").alias("_kafka_timestamp"),
+        F.col("__kid").alias("_key_schema_id"), F.col("__vid").alias("_value_schema_id"),
+        F.col("__batch").alias("_batch_id"))
+
+
+def dead_letter_rows(decoded: DataFrame, query: str) -> DataFrame:
+    """Rows with a reason -> the dead-letter layout (raw bytes kept)."""
+    return decoded.filter(F.col("__reason").isNotNull()).select(
+        "topic", "partition", "offset", "timestamp", F.col("__k").alias("key"), F.col("__v").alias("value"),
+        F.col("__reason").alias("reason"), F.col("__detail").alias("detail"),
+        F.col("__kid").alias("key_schema_id"), F.col("__vid").alias("value_schema_id"),
+        F.col("__batch").alias("batch_id"), F.lit(query).alias("query"), F.current_timestamp().alias("ingested_at"))
+
+
+# ---------------------------------------------------------------------------------------------
+# silver: one row per key per batch, then one MERGE
+
+
+def merge_source(decoded: DataFrame, layout: Layout, truncate: tuple[int, int] | None, toast: bool) -> DataFrame:
+    """Good rows -> one row per key: the newest event (by commit_lsn, event_serial, partition, offset),
+    TOAST-unchanged columns filled from older events of the batch, or a lone tombstone."""
+    keys = [f.name for f in layout.key.fields]
+    key_lower = {k.lower() for k in keys}
+    payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
+    good = decoded.filter(F.col("__reason").isNull())
+    lsn, serial = F.col("__env.source.commit_lsn"), F.col("__env.source.event_serial")
+    events = good.filter(~F.col("__tomb"))
+    if truncate is not None:
+        events = events.filter((lsn > truncate[0]) | ((lsn == truncate[0]) & (serial > truncate[1])))
+
+    def shape(frame: DataFrame, key_of, kind: str, op: Column, after: Column) -> DataFrame:
+        return frame.select(
+            *[key_of(k).alias(k) for k in keys], after.alias("__after"), op.alias("__op"),
+            lsn.alias("__lsn"), serial.alias("__serial"), F.col("partition").alias("__part"),
+            F.col("offset").alias("__off"),
+            F.coalesce(F.timestamp_millis(F.col("__env.source.ts_ms")), F.col("timestamp")).alias("__ts"),
+            F.col("__env.unchanged_cols").alias("__unchanged"), F.lit(kind).alias("__kind"))
+
+    rows = shape(events, lambda k: F.col("__key")[k], "event", F.col("__env.op"), F.col("__env.after"))
+    # an update that changed the primary key (before carries the old key): the old key is deleted
+    before = F.col("__env.before")
+    moved = None
+    if keys:
+        changed = functools.reduce(lambda a, b: a | b, [before[k] != F.col("__key")[k] for k in keys])
+        complete = functools.reduce(lambda a, b: a & b, [before[k].isNotNull() for k in keys])
+        moved = events.filter((F.col("__env.op") == "u") & before.isNotNull() & changed & complete)
+    if moved is not None:
+        rows = rows.unionByName(shape(moved, lambda k: before[k], "event", F.lit("d"),
+                                      F.lit(None).cast(layout.row)))
+    tombs = good.filter(F.col("__tomb")).select(
+        *[F.col("__key")[k].alias(k) for k in keys], F.lit(None).cast(layout.row).alias("__after"),
+        F.lit(None).cast("string").alias("__op"), F.lit(None).cast("long").alias("__lsn"),
+        F.lit(None).cast("long").alias("__serial"), F.col("partition").alias("__part"),
+        F.col("offset").alias("__off"), F.col("timestamp").alias("__ts"),
+        F.array().cast("array<string>").alias("__unchanged"), F.lit("tombstone").alias("__kind"))
+    rows = rows.unionByName(tombs)
+    is_event = F.col("__kind") == "event"
+    order = F.when(is_event, F.struct("__lsn", "__serial", "__part", "__off"))
+    aggs = [F.max_by(F.struct("__after", "__op", "__lsn", "__serial", "__ts"), order).alias("__w"),
+            F.count(F.when(is_event, 1)).alias("__n"), F.max(F.when(~is_event, F.col("__ts"))).alias("__tts")]
+    candidates = [c for c in payload if c in layout.nullable] if toast else []
+    for i, c in enumerate(candidates):
+        known = is_event & (F.col("__op") != "d") & F.col("__after").isNotNull() \
+            & ~F.array_contains(F.col("__unchanged"), c)
+        aggs.append(F.max_by(F.struct(F.col("__after")[c].alias("v")), F.when(known, order)).alias(f"__f{i}"))
+    reduced = rows.groupBy(*keys).agg(*aggs)
+    filled = {c: F.when(F.col(f"__f{i}").isNotNull(), F.col(f"__f{i}.v")) for i, c in enumerate(candidates)}
+    unknown = (F.array_compact(F.array(*[F.when(F.col(f"__f{i}").isNull(), F.lit(c))
+                                         for i, c in enumerate(candidates)]))
+               if candidates else F.array().cast("array<string>"))
+    return reduced.select(
+        *keys, *[filled.get(c, F.col("__w.__after")[c]).alias(c) for c in payload],
+        F.when(F.col("__n") > 0, "event").otherwise("tombstone").alias("__kind"),
+        F.col("__w.__op").alias("__op"), F.col("__w.__lsn").alias("__lsn"), F.col("__w.__serial").alias("__serial"),
+        F.when(F.col("__n") > 0, F.col("__w.__ts")).otherwise(F.col("__tts")).alias("__ts"),
+        unknown.alias("__unchanged"))
+
+
+def silver_schema(layout: Layout) -> T.StructType:
+    """Silver's columns: the row's fields, then the merge's own columns."""
+    return T.StructType([T.StructField(f.name, f.dataType) for f in layout.row.fields] + [
+        T.StructField("_commit_lsn", T.LongType()), T.StructField("_event_serial", T.LongType()),
+        T.StructField("_op", T.StringType()), T.StructField("_deleted", T.BooleanType()),
+        T.StructField("_deleted_at", T.TimestampType()), T.StructField("_updated_at", T.TimestampType()),
+        T.StructField("_unknown_cols", T.ArrayType(T.StringType()))])
+
+
+def _ensure_table(spark: SparkSession, path: str, schema: T.StructType, stats_columns: list[str] | None = None):
+    """Create the Delta table at path if missing, with type widening on (int -> bigint in place).
+
+    Deletion vectors stay off: on small micro-batches they made each MERGE several jobs slower.
+    """
+    from delta.tables import DeltaTable
+
+    if DeltaTable.isDeltaTable(spark, path):
+        return DeltaTable.forPath(spark, path)
+    builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema) \
+        .property("delta.enableDeletionVectors", "false").property("delta.enableTypeWidening", "true")
+    if stats_columns and len(schema.fields) > 32:
+        builder = builder.property("delta.dataSkippingStatsColumns", ",".join(quote(c) for c in stats_columns))
+    return builder.execute()
+
+
+def _align_columns(spark: SparkSession, table, path: str, spec: TableSpec, row: T.StructType):
+    """Add new columns to silver and widen changed types; a change Delta cannot make raises with the remedy."""
+    current = {f.name.lower(): f for f in table.toDF().schema.fields}
+    added = [f for f in row.fields if f.name.lower() not in current]
+    ident = f"delta.{quote(path)}"
+    if added:
+        spark.sql(f"ALTER TABLE {ident} ADD COLUMNS ("
+                  + ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in added) + ")")
+        log.info("merge %s: silver gained column(s) %s", spec.qualified, ", ".join(f.name for f in added))
+    for f in row.fields:
+        have = current.get(f.name.lower())
+        if have is None or have.dataType.simpleString() == f.dataType.simpleString():
+            continue
+        if isinstance(have.dataType, T.DecimalType) and isinstance(f.dataType, T.DecimalType) \
+                and f.dataType.precision - f.dataType.scale <= have.dataType.precision - have.dataType.scale \
+                and f.dataType.scale <= have.dataType.scale:
+            continue  # narrower decimal: values fit the stored type
+        try:
+            spark.sql(f"ALTER TABLE {ident} ALTER COLUMN {quote(have.name)} TYPE {f.dataType.simpleString()}")
+        except Exception as exc:
+            raise MergeError(
+                f"silver table {spec.qualified} ({path}): column {have.name} is {have.dataType.simpleString()} but "
+                f"the topic {spec.topic} now carries {f.dataType.simpleString()}, which Delta cannot widen to: "
+                f"rebuild the silver table (move it away and replay the topic with a new checkpoint) or change the "
+                f"column with ALTER TABLE; {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+
+
+def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
+                  truncate: tuple[int, int, object] | None, app_id: str, batch_id: int) -> None:
+    """The one MERGE of a table in a micro-batch (idempotent through txnAppId/txnVersion)."""
+    keys = [f.name for f in layout.key.fields]
+    key_lower = {k.lower() for k in keys}
+    payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
+    table = _ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS))
+    _align_columns(spark, table, path, spec, layout.row)
+    on = " AND ".join(f"t.{quote(k)} = s.{quote(k)}" for k in keys)
+    newer = ("(s.__lsn > t._commit_lsn OR (s.__lsn = t._commit_lsn AND s.__serial > t._event_serial) "
+             "OR (s.__lsn = t._commit_lsn AND s.__serial = t._event_serial AND t._op = 'tombstone' "
+             "AND s.__op <> 'd'))")
+    is_delete = "s.__op = 'd'"
+    update = {quote(c): f"CASE WHEN {is_delete} OR array_contains(s.__unchanged, '{c}') THEN t.{quote(c)} "
+                        f"ELSE s.{quote(c)} END" for c in payload}
+    update.update({
+        "_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
+        "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END",
+        "_updated_at": "s.__ts",
+        "_unknown_cols": f"CASE WHEN {is_delete} THEN t._unknown_cols ELSE "
+                         "nullif(array_intersect(coalesce(t._unknown_cols, array()), s.__unchanged), array()) END"})
+    insert = {quote(c): f"s.{quote(c)}" for c in keys + payload}
+    insert.update({"_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
+                   "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END", "_updated_at": "s.__ts",
+                   "_unknown_cols": f"CASE WHEN NOT {is_delete} THEN nullif(s.__unchanged, array()) END"})
+    builder = table.alias("t").merge(source.alias("s"), on)
+    if table.detail().select("numFiles").collect()[0][0]:
+        builder = builder.whenMatchedUpdate("s.__kind = 'tombstone' AND NOT t._deleted",
+                                            {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}) \
+            .whenMatchedUpdate(f"s.__kind = 'event' AND {newer}", update)
+    # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only MERGE path
+    builder = builder.whenNotMatchedInsert("s.__kind = 'event'", insert)
+    if truncate is not None:
+        lsn, serial, ts_ms = truncate
+        builder = builder.whenNotMatchedBySourceUpdate(
+            f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
+            {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
+             "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"})
+    _with_txn(spark, app_id, batch_id, builder.execute)
+
+
+def _with_txn(spark: SparkSession, app_id: str, version: int, action):
+    """Run a Delta DML with the session's txnAppId/txnVersion set (a repeated pair is skipped by Delta)."""
+    spark.conf.set(_TXN_APP, app_id)
+    spark.conf.set(_TXN_VERSION, str(version))
+    try:
+        return action()
+    finally:
+        spark.conf.unset(_TXN_APP)
+        spark.conf.unset(_TXN_VERSION)
+
+
+def _truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, object]) -> bool:
+    """True when silver still holds a live row older than the truncate's position."""
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, path):
+        return False
+    lsn, serial, _ = truncate
+    older = (F.col("_commit_lsn") < lsn) | ((F.col("_commit_lsn") == lsn) & (F.col("_event_serial") < serial))
+    return bool(spark.read.format("delta").load(path).filter(~F.col("_deleted") & older).limit(1).count())
+
+
+# ---------------------------------------------------------------------------------------------
+# the micro-batch
+
+
+@dataclass
+class MergeContext:
+    """What the micro-batch function keeps across batches: conf, caches, the query's identity, stats."""
+
+    conf: dict
+    query: str
+    specs: list[TableSpec]
+    schemas: Schemas
+    app_id: str | None = None  # '<query name>-<query id>' once known
+    truncates_applied: dict[str, tuple] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    last_cleanup: float = field(default_factory=time.monotonic)
+    fault: object = None  # tests: fault(stage, batch_id, table) may raise to simulate a crash
+    session: SparkSession | None = None  # the session that started the query (knows its id)
+    failure: tuple[int, BaseException] | None = None  # the last batch that raised, and why
+
+    def spec(self, topic: str) -> TableSpec | None:
+        """The table a topic belongs to."""
+        return next((s for s in self.specs if s.topic == topic), None)
+
+
+def context(conf: dict, query: str | None = None, app_id: str | None = None, fault=None) -> MergeContext:
+    """A MergeContext for conf (start() makes one; tests call process_batch with it directly)."""
+    return MergeContext(conf=conf, query=query or query_name(conf), specs=table_specs(conf), schemas=Schemas(conf),
+                        app_id=app_id, fault=fault)
+
+
+def truncates(conf: dict) -> dict[str, tuple[int, int, object]]:
+    """Latest truncate per table from the control topic: {'schema.table': (commit_lsn, event_serial, ts_ms)}."""
+    found = {}
+    for key, record in control.read_all(conf, timeout=float(config.get(conf, "merge.control_timeout_s", 30))).items():
+        if key.startswith("truncate/") and record.get("commit_lsn") is not None:
+            found[key[len("truncate/"):]] = (int(record["commit_lsn"]), int(record.get("event_serial", 0)),
+                                             record.get("ts_ms"))
+    return found
+
+
+def _app_id(ctx: MergeContext, spark: SparkSession) -> str:
+    if ctx.app_id is None:  # foreachBatch runs in a clone of the session, whose query manager is empty
+        active = [q for q in (ctx.session or spark).streams.active if q.name == ctx.query]
+        if not active:
+            raise MergeError(f"merge query {ctx.query} is not active in this session, so its id (part of the Delta "
+                             f"idempotence ids) is unknown; pass app_id to context() when calling process_batch")
+        ctx.app_id = f"{ctx.query}-{active[0].id}"
+    return ctx.app_id
+
+
+def process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
+    """foreachBatch body: bronze append, one silver MERGE per table, dead letters; returns the batch's counts.
+
+    Safe to run again with the same batch_id (a retried batch): every Delta commit carries
+    (txnAppId, batch_id) and Delta skips a pair it has already committed.
+    """
+    try:
+        return _process_batch(batch, batch_id, ctx)
+    except BaseException as exc:
+        ctx.failure = (batch_id, exc)
+        raise
+
+
+def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
+    spark = batch.sparkSession
+    app = _app_id(ctx, spark)
+    began = time.monotonic()
+    control_topic = control.topic(ctx.conf)
+    raw = headers(batch).persist()
+    frames = [raw]
+    try:
+        present = {row["topic"]: row for row in raw.groupBy("topic").agg(
+            F.collect_set("__vid").alias("v"), F.collect_set("__kid").alias("k")).collect()}
+        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}}
+        if not present:
+            return stats
+        unknown = [t for t in present if t != control_topic and ctx.spec(t) is None]
+        if unknown:
+            raise MergeError(f"micro-batch {batch_id} holds topic(s) {', '.join(unknown)}, which are not configured "
+                             f"tables' topics; check source.tables and kafka.topic_prefix")
+        cuts = truncates(ctx.conf)
+        work = []  # (spec, layout, decoded or None, truncate record or None, pending truncate or None)
+        for spec in ctx.specs:
+            row = present.get(spec.topic)
+            cut = cuts.get(spec.qualified)
+            truncate_new = cut is not None and ctx.truncates_applied.get(spec.qualified) != cut
+            if row is None and not truncate_new:
+                continue
+            pending = cut if truncate_new and _truncate_pending(spark, silver_path(ctx.conf, spec), cut) else None
+            layout = _layout(spark, ctx.schemas, spec, set(row["v"]) if row else set(), set(row["k"]) if row else set())
+            decoded = decode(raw.filter(F.col("topic") == spec.topic), spark, ctx.schemas, layout, batch_id)
+            if row is not None:
+                decoded = decoded.persist()
+                frames.append(decoded)
+            work.append((spec, layout, decoded, row is not None, cut, pending))
+        counts = _counts([(spec.qualified, decoded) for spec, _, decoded, has_rows, _, _ in work if has_rows])
+        dead = []
+        for spec, layout, decoded, has_rows, cut, pending in work:
+            mine = counts.get(spec.qualified, {})
+            good = mine.get(None)
+            bad = {reason: c["n"] for reason, c in mine.items() if reason is not None}
+            if has_rows:
+                stats["tables"][spec.qualified] = {
+                    "events": good["n"] - good["tombs"] if good else 0, "tombstones": good["tombs"] if good else 0,
+                    "dead_letters": sum(bad.values())}
+            for reason, n in bad.items():
+                stats["dead_letters"][reason] = stats["dead_letters"].get(reason, 0) + n
+            if bad:
+                dead.append(dead_letter_rows(decoded, ctx.query))
+            silver = silver_path(ctx.conf, spec)
+            if good is not None:
+                bronze = bronze_path(ctx.conf, spec)
+                rows = bronze_rows(decoded)
+                _ensure_table(spark, bronze, rows.schema)
+                rows.write.format("delta").mode("append").option("mergeSchema", "true") \
+                    .option("txnAppId", f"{app}/{spec.qualified}").option("txnVersion", batch_id).save(bronze)
+                _fire(ctx, "after_bronze", batch_id, spec)
+            if good is not None or pending is not None:
+                source = merge_source(decoded, layout, cut[:2] if cut else None,
+                                      toast=good is not None and good["toast"] > 0)
+                _merge_silver(spark, silver, spec, layout, source, pending, f"{app}/{spec.qualified}", batch_id)
+                _fire(ctx, "after_silver", batch_id, spec)
+            if pending is not None:
+                stats["tables"].setdefault(spec.qualified, {})["truncated_before"] = list(cut[:2])
+            if cut is not None:
+                ctx.truncates_applied[spec.qualified] = cut
+        if dead:
+            frame = functools.reduce(DataFrame.unionByName, dead)
+            frame.write.format("delta").mode("append").option("txnAppId", f"{app}/_dead_letter") \
+                .option("txnVersion", batch_id).save(dead_letter_path(ctx.conf))
+            log.warning("merge batch %s: %s message(s) went to the dead-letter table %s: %s", batch_id,
+                        sum(stats["dead_letters"].values()), dead_letter_path(ctx.conf), stats["dead_letters"])
+        interval = float(config.get(ctx.conf, "merge.cleanup_interval_minutes", DEFAULT_CLEANUP_MINUTES)) * 60
+        if interval > 0 and time.monotonic() - ctx.last_cleanup >= interval:
+            cleanup_tombstones(spark, ctx.conf)
+            ctx.last_cleanup = time.monotonic()
+        stats["seconds"] = round(time.monotonic() - began, 2)
+        ctx.history = (ctx.history + [stats])[-100:]
+        log.info("merge batch %s: %s", batch_id, stats)
+        return stats
+    finally:
+        for frame in frames:
+            frame.unpersist()
+
+
+def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:
+    """One job for every table of the batch: {table: {reason or None: {n, tombs, toast}}}."""
+    if not decoded:
+        return {}
+    parts = [frame.select(F.lit(name).alias("t"), "__reason", "__tomb",
+                          (F.coalesce(F.size("__env.unchanged_cols"), F.lit(0)) > 0).alias("__toast"))
+             for name, frame in decoded]
+    rows = functools.reduce(DataFrame.unionByName, parts).groupBy("t", "__reason").agg(
+        F.count(F.lit(1)).alias("n"), F.count(F.when(F.col("__tomb"), 1)).alias("tombs"),
+        F.count(F.when(F.col("__toast"), 1)).alias("toast")).collect()
+    out: dict[str, dict] = {}
+    for r in rows:
+        out.setdefault(r["t"], {})[r["__reason"]] = {"n": r["n"], "tombs": r["tombs"], "toast": r["toast"]}
+    return out
+
+
+def _fire(ctx: MergeContext, stage: str, batch_id: int, spec: TableSpec) -> None:
+    if ctx.fault is not None:
+        ctx.fault(stage, batch_id, spec.qualified)
+
+
+# ---------------------------------------------------------------------------------------------
+# the streaming query
+
+
+def kafka_options(conf: dict) -> dict[str, str]:
+    """Kafka source options from conf: servers, topics, earliest start, maxOffsetsPerTrigger, extras."""
+    options = {
+        "kafka.bootstrap.servers": str(config.get(conf, "kafka.bootstrap_servers")),
+        # the control topic too: a truncate alone (no later change) must still start a micro-batch
+        "subscribe": ",".join([spec.topic for spec in table_specs(conf)] + [control.topic(conf)]),
+        "startingOffsets": "earliest",
+        "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger", DEFAULT_MAX_OFFSETS))),
+        "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss", True))).lower(),
+    }
+    for key, value in (config.get(conf, "merge.kafka_options", {}) or {}).items():
+        name = key if key.startswith("kafka.") or key in ("minPartitions", "fetchOffset.numRetries") else f"kafka.{key}"
+        options[name] = secrets.setting(conf, f"merge.kafka_options.{key}") if secrets.is_reference(value) \
+            else str(value)
+    return options
+
+
+def read_stream(conf: dict, spark: SparkSession) -> DataFrame:
+    """The streaming DataFrame of every configured table topic (Kafka's key, value, topic, partition, ...)."""
+    reader = spark.readStream.format("kafka")
+    for key, value in kafka_options(conf).items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def start(conf: dict, spark: SparkSession, trigger: str = "available_now", interval: str = "5 seconds",
+          fault=None):
+    """Start the merge query: trigger 'available_now' (catch up, then stop) or 'processing_time' (every interval).
+
+    The checkpoint is <lake.root>/_checkpoints/<query name>. Deleting it replays the topics from
+    the start (safe: silver only moves forward; bronze gets the events again).
+    """
+    name = query_name(conf)
+    ctx = context(conf, name, fault=fault)
+    ctx.session = spark
+    writer = read_stream(conf, spark).writeStream.queryName(name) \
+        .option("checkpointLocation", checkpoint_path(conf, name)) \
+        .foreachBatch(lambda frame, batch_id: process_batch(frame, batch_id, ctx))
+    if trigger == "available_now":
+        writer = writer.trigger(availableNow=True)
+    elif trigger == "processing_time":
+        writer = writer.trigger(processingTime=interval)
+    else:
+        raise ValueError(f"trigger must be 'available_now' or 'processing_time', not {trigger!r}")
+    query = writer.start()
+    query.merge_context = ctx  # the batches' counts: query.merge_context.history
+    return query
+
+
+def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, fault=None) -> dict:
+    """Run the merge with availableNow until every topic is caught up; returns batches and counts.
+
+    A failing batch raises MergeError naming the batch and the cause (the checkpoint keeps the
+    batch, so the next run retries it; its Delta commits are idempotent). When Spark itself stops
+    the query after batches went through (Spark 4.1.1's Kafka source fails computing its metrics
+    right after re-running a batch left uncommitted by a crash), the query is started again, up to
+    merge.restart_attempts (2) times.
+    """
+    from pyspark.errors import StreamingQueryException
+
+    attempts = int(config.get(conf, "merge.restart_attempts", 2))
+    history: list[dict] = []
+    name = query_name(conf)
+    for attempt in range(attempts + 1):
+        query = start(conf, spark, "available_now", fault=fault)
+        ctx = query.merge_context
+        try:
+            query.awaitTermination()
+            history += ctx.history
+            break
+        except StreamingQueryException as exc:
+            history += ctx.history
+            if ctx.failure is not None:
+                batch_id, cause = ctx.failure
+                raise MergeError(
+                    f"merge query {name} stopped in micro-batch {batch_id}: {type(cause).__name__}: {cause}. The "
+                    f"checkpoint {checkpoint_path(conf, name)} keeps the batch; fix the cause and run again (the batch "
+                    f"is retried, its Delta commits are idempotent)") from cause
+            if not ctx.history or attempt == attempts:
+                raise
+            log.warning("merge query %s stopped by Spark after %s batch(es) (%s); starting it again (attempt %s of %s)",
+                        name, len(ctx.history), str(exc).splitlines()[0][:300], attempt + 1, attempts)
+        finally:
+            if query.isActive:
+                query.stop()
+    if cleanup:
+        cleanup_tombstones(spark, conf)
+    totals: dict[str, int] = {}
+    for batch in history:
+        for counts in batch["tables"].values():
+            for key, value in counts.items():
+                if isinstance(value, int):
+                    totals[key] = totals.get(key, 0) + value
+    return {"query": name, "batches": len(history), **totals}
+
+
+# ---------------------------------------------------------------------------------------------
+# maintenance and what a notebook shows
+
+
+def cleanup_tombstones(spark: SparkSession, conf: dict, retention_hours: float | None = None) -> dict[str, int]:
+    """Physically delete soft tombstones older than merge.tombstone_retention_hours; rows removed per table.
+
+    Careful: after this, an event older than a removed tombstone (a replay from before the delete)
+    can bring the row back. Keep the retention longer than the topics' delete.retention.ms and
+    than any replay you may run.
+    """
+    from delta.tables import DeltaTable
+
+    hours = float(retention_hours if retention_hours is not None
+                  else config.get(conf, "merge.tombstone_retention_hours", DEFAULT_RETENTION_HOURS))
+    removed = {}
+    for spec in table_specs(conf):
+        path = silver_path(conf, spec)
+        if not DeltaTable.isDeltaTable(spark, path):
+            continue
+        table = DeltaTable.forPath(spark, path)
+        table.delete(f"_deleted AND _deleted_at < current_timestamp() - make_dt_interval(0, 0, 0, {hours * 3600})")
+        metrics = table.history(1).select("operation", "operationMetrics").collect()[0]
+        removed[spec.qualified] = int((metrics["operationMetrics"] or {}).get("numDeletedRows", 0)) \
+            if metrics["operation"] == "DELETE" else 0
+    return removed
+
+
+def _lsn_text(c: Column) -> Column:
+    """A PostgreSQL LSN as text 'X/Y' from its 64-bit value."""
+    return F.concat(F.upper(F.hex(F.shiftright(c, 32))), F.lit("/"), F.upper(F.hex(c.bitwiseAND(0xFFFFFFFF))))
+
+
+def summary(spark: SparkSession, conf: dict) -> DataFrame:
+    """Per table: live silver rows, soft-deleted rows, rows with unknown TOAST columns, bronze events, last position."""
+    from delta.tables import DeltaTable
+
+    out_schema = "table string, silver_rows long, deleted_rows long, unknown_toast_rows long, bronze_events long, " \
+                 "last_commit_lsn long, last_lsn string"
+    frames = []
+    for spec in table_specs(conf):
+        silver, bronze = silver_path(conf, spec), bronze_path(conf, spec)
+        if not DeltaTable.isDeltaTable(spark, silver):
+            frames.append(spark.createDataFrame([(spec.qualified, None, None, None, None, None, None)], out_schema))
+            continue
+        events = spark.read.format("delta").load(bronze).filter(~F.col("_tombstone")).count() \
+            if DeltaTable.isDeltaTable(spark, bronze) else None
+        frames.append(spark.read.format("delta").load(silver).agg(
+            F.lit(spec.qualified).alias("table"), F.count(F.when(~F.col("_deleted"), 1)).alias("silver_rows"),
+            F.count(F.when(F.col("_deleted"), 1)).alias("deleted_rows"),
+            F.count(F.when(F.col("_unknown_cols").isNotNull() & ~F.col("_deleted"), 1)).alias("unknown_toast_rows"),
+            F.lit(events).cast("long").alias("bronze_events"), F.max("_commit_lsn").alias("last_commit_lsn"),
+            _lsn_text(F.max("_commit_lsn")).alias("last_lsn")))
+    result = frames[0]
+    for frame in frames[1:]:
+        result = result.unionByName(frame)
+    return result
+
+
+def dead_letter_counts(spark: SparkSession, conf: dict) -> DataFrame:
+    """Dead-lettered messages by topic and reason, with the first and last offset of each."""
+    from delta.tables import DeltaTable
+
+    path = dead_letter_path(conf)
+    if not DeltaTable.isDeltaTable(spark, path):
+        return spark.createDataFrame([], "topic string, reason string, messages long, first_offset long, "
+                                         "last_offset long")
+    return spark.read.format("delta").load(path).groupBy("topic", "reason").agg(
+        F.count(F.lit(1)).alias("messages"), F.min("offset").alias("first_offset"),
+        F.max("offset").alias("last_offset")).orderBy("topic", "reason")
+
+
+def silver(spark: SparkSession, conf: dict, table: str, include_deleted: bool = False) -> DataFrame:
+    """A silver table as a DataFrame (live rows only unless include_deleted)."""
+    spec = next((s for s in table_specs(conf) if s.qualified == table or s.name == table), None)
+    if spec is None:
+        raise MergeError(f"table {table} is not in source.tables ({', '.join(s.qualified for s in table_specs(conf))})")
+    frame = spark.read.format("delta").load(silver_path(conf, spec))
+    return frame if include_deleted else frame.filter(~F.col("_deleted"))

@@ -1,0 +1,321 @@
+"""The merge's micro-batch function on synthetic Confluent frames (no Kafka for the data; live registry ids).
+
+One module fixture runs three micro-batches over three small tables and the tests check what each
+scenario left in bronze, silver and the dead-letter table:
+
+- batch 0: snapshot + out-of-order updates, duplicates, TOAST-unchanged columns, delete before any
+  insert, delete + tombstone, a primary key change, two writer schema ids of one table, poison of
+  every kind next to good rows;
+- batch 1: late older events, TOAST keeps the stored value, a lone tombstone, a reverted schema,
+  a truncate from the control topic;
+- batch 1 again with the same id (a retried batch): Delta skips every commit.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import uuid
+from datetime import date, datetime, timezone
+from decimal import Decimal
+
+import fastavro
+import pytest
+from confluent_kafka.admin import AdminClient
+from pyspark.sql import types as T
+
+from lib import avro_schemas, config, control, merge, schema_registry
+from lib.catalog import Column, PgType, Table
+
+pytestmark = pytest.mark.stack
+
+NOW_MS = int(time.time() * 1000)
+
+
+def _type(name: str, typmod: int = -1, category: str = "U") -> PgType:
+    return PgType(oid=0, schema="pg_catalog", name=name, kind="base", category=category, typmod=typmod)
+
+
+TEXT = _type("text", category="S")
+TYPES = {
+    "int8": (_type("int8", category="N"), "bigint", False),
+    "text": (TEXT, "text", True),
+    "numeric": (_type("numeric", ((14 << 16) | 2) + 4, "N"), "numeric(14,2)", True),
+    "timestamptz": (_type("timestamptz", category="D"), "timestamp with time zone", False),
+    "timestamp": (_type("timestamp", category="D"), "timestamp without time zone", False),
+    "date": (_type("date", category="D"), "date", False),
+    "uuid": (_type("uuid"), "uuid", False),
+    "text[]": (PgType(oid=0, schema="pg_catalog", name="_text", kind="array", category="A", element=TEXT),
+               "text[]", True),
+}
+
+
+def make_table(schema: str, name: str, columns: list[tuple[str, str]], key: tuple[str, ...] = ("id",)) -> Table:
+    """A catalog.Table built by hand: (column, type key of TYPES); key columns NOT NULL."""
+    cols = []
+    for attnum, (column, kind) in enumerate(columns, start=1):
+        pgtype, type_name, toastable = TYPES[kind]
+        cols.append(Column(table=f"{schema}.{name}", name=column, attnum=attnum, type_name=type_name, type=pgtype,
+                           not_null=column in key, toastable=toastable))
+    return Table(schema=schema, name=name, oid=0, columns=tuple(cols), primary_key=key, replica_identity="d")
+
+
+ITEMS = make_table("unit", "items", [
+    ("id", "int8"), ("name", "text"), ("amount", "numeric"), ("paid_at", "timestamptz"), ("local_at", "timestamp"),
+    ("due", "date"), ("ref", "uuid"), ("tags", "text[]"), ("big", "text"), ("first name", "text")])
+EVOLVE_V1 = make_table("unit", "evolve", [("id", "int8"), ("name", "text")])
+EVOLVE_V2 = make_table("unit", "evolve", [("id", "int8"), ("name", "text"), ("extra", "text")])
+TRUNC = make_table("unit", "trunc", [("id", "int8"), ("name", "text")])
+
+
+class Writer:
+    """Registers a table's schemas and frames its keys and envelopes like the capture does."""
+
+    def __init__(self, registry, prefix: str, table: Table):
+        self.table, self.prefix = table, prefix
+        self.topic = avro_schemas.topic_name(prefix, table)
+        self.value = avro_schemas.value_schema(table, prefix)
+        self.key = avro_schemas.key_schema(table, prefix)
+        key_subject, value_subject = schema_registry.subjects(self.topic)
+        self.value_id = schema_registry.register(registry, value_subject, self.value)[0]
+        self.key_id = schema_registry.register(registry, key_subject, self.key)[0]
+        self.parsed_value = fastavro.parse_schema(self.value)
+        self.parsed_key = fastavro.parse_schema(self.key)
+        self.names = avro_schemas.field_names(table.columns)
+
+    @staticmethod
+    def frame(schema_id: int, parsed, record) -> bytes:
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, record)
+        return b"\x00" + schema_id.to_bytes(4, "big") + buf.getvalue()
+
+    def row(self, **values) -> dict:
+        out = {self.names[c.name]: None for c in self.table.columns}
+        out.update(values)
+        return out
+
+    def key_bytes(self, key: int) -> bytes:
+        return self.frame(self.key_id, self.parsed_key, {"id": key})
+
+    def event(self, op: str, key: int, lsn: int, serial: int = 0, unchanged=(), before=None, **values) -> tuple:
+        after = None if op == "d" else self.row(id=key, **values)
+        if op == "d":
+            before = before or self.row(id=key)
+        source = {"version": "test", "connector": "postgresql", "name": self.prefix, "ts_ms": NOW_MS + lsn,
+                  "snapshot": "true" if op == "r" else "false", "db": "unit", "sequence": None,
+                  "schema": self.table.schema, "table": self.table.name, "txId": None, "lsn": lsn, "xmin": None,
+                  "commit_lsn": lsn, "event_serial": -1 if op == "r" else serial}
+        envelope = {"before": before, "after": after, "source": source, "op": op, "ts_ms": NOW_MS,
+                    "transaction": None, "unchanged_cols": list(unchanged)}
+        return self.key_bytes(key), self.frame(self.value_id, self.parsed_value, envelope)
+
+    def tombstone(self, key: int) -> tuple:
+        return self.key_bytes(key), None
+
+
+class Feed:
+    """Kafka-shaped rows (key, value, topic, partition, offset, timestamp) with offsets per topic partition."""
+
+    def __init__(self):
+        self.next: dict[tuple[str, int], int] = {}
+
+    def rows(self, topic: str, messages: list[tuple], partition: int = 0) -> list[tuple]:
+        out = []
+        for key, value in messages:
+            offset = self.next.get((topic, partition), 0)
+            self.next[(topic, partition)] = offset + 1
+            out.append((key, value, topic, partition, offset, datetime.now(timezone.utc).replace(tzinfo=None)))
+        return out
+
+
+KAFKA_SCHEMA = "key binary, value binary, topic string, partition int, offset long, timestamp timestamp"
+UUID6 = str(uuid.UUID(int=6))
+
+
+@pytest.fixture(scope="module")
+def unit_conf(live_stack, run_id, tmp_path_factory):
+    prefix = f"cdc-mu-{run_id}"
+    conf = config.apply_overrides(live_stack, {
+        "CDC__KAFKA__TOPIC_PREFIX": prefix, "CDC__LAKE__ROOT": str(tmp_path_factory.mktemp("merge_unit")),
+        "CDC__SOURCE__TABLES": "[unit.items, unit.evolve, unit.trunc]"})
+    control.ensure(conf)
+    yield conf
+    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    for future in admin.delete_topics([control.topic(conf)]).values():
+        future.result(30)
+
+
+@pytest.fixture(scope="module")
+def run(unit_conf, spark_session):
+    """Run the three micro-batches; returns what the tests look at."""
+    conf, spark = unit_conf, spark_session
+    registry = schema_registry.client(conf)
+    prefix = config.get(conf, "kafka.topic_prefix")
+    items, trunc = Writer(registry, prefix, ITEMS), Writer(registry, prefix, TRUNC)
+    ev1, ev2 = Writer(registry, prefix, EVOLVE_V1), Writer(registry, prefix, EVOLVE_V2)
+    feed = Feed()
+    typed = dict(amount=Decimal("12.34"), paid_at=1_700_000_000_123_456, local_at=86_400_000_001, due=19_000,
+                 ref=UUID6, tags=["a", None], first_name="Ann")
+    poison = [
+        (items.key_bytes(90), b"\x01\x00\x00\x00\x01junk"),  # magic byte 1
+        (items.key_bytes(91), b"\x00\x00"),  # shorter than the header
+        (items.key_bytes(92), b"\x00" + (2_000_000_000).to_bytes(4, "big") + b"\x02"),  # unknown schema id
+        (items.key_bytes(93), b"\x00" + items.value_id.to_bytes(4, "big") + b"\xff\xff\xff"),  # body undecodable
+        (None, items.event("c", 94, 1)[1]),  # no key
+        (b"abc", items.event("c", 95, 1)[1]),  # key not framed
+    ]
+    batch0 = (
+        feed.rows(items.topic, [
+            items.event("u", 1, 111, unchanged=["big"], name="one-c"),  # out of order inside the batch
+            items.event("r", 1, 100, name="one", big="B1"),
+            items.event("u", 1, 110, unchanged=["big"], name="one-b"),
+            items.event("c", 2, 120, name="two", big="B2"),
+            items.event("c", 2, 120, name="two", big="B2"),  # duplicate
+            items.event("d", 3, 130),  # delete of a row merge never saw
+            items.event("c", 4, 140, name="four"), items.event("d", 4, 141), items.tombstone(4),
+            items.event("u", 5, 150, unchanged=["big"], name="five"),  # TOAST-unchanged, nothing stored
+            items.event("c", 6, 160, name="six", big="B6", **typed),
+            items.event("c", 7, 170, name="seven"),
+            items.event("c", 8, 175, name="eight"),
+            items.event("u", 9, 176, before=items.row(id=8), name="nine"),  # primary key 8 -> 9
+            *poison]) +
+        feed.rows(ev1.topic, [ev1.event("c", 1, 10, name="a")], partition=1) +
+        feed.rows(ev2.topic, [ev2.event("c", 2, 11, name="b", extra="x"), ev2.event("u", 1, 12, name="a2",
+                                                                                      extra="y")], partition=2) +
+        feed.rows(trunc.topic, [trunc.event("c", 1, 10, name="t1"), trunc.event("c", 2, 11, name="t2"),
+                                trunc.event("c", 3, 30, name="t3")]))
+    batch1_messages = {
+        items.topic: [
+            items.event("c", 3, 125, name="late"),  # older than the delete: no resurrection
+            items.event("u", 1, 105, unchanged=["big"], name="late"),  # older than stored
+            items.event("u", 6, 180, unchanged=["big"], name="six-b", **typed),  # TOAST: big stays B6
+            items.event("u", 5, 185, name="five-b", big="B5"),
+            items.tombstone(7),  # lone tombstone (its d compacted away)
+            items.tombstone(4)],  # tombstone again for a deleted row
+        ev1.topic: [ev1.event("u", 2, 13, name="b2")],  # schema reverted to v1: extra becomes null
+        trunc.topic: [trunc.event("c", 4, 15, name="t4"), trunc.event("c", 5, 25, name="t5")],
+    }
+    batch1 = [row for topic, messages in batch1_messages.items() for row in feed.rows(topic, messages)]
+
+    ctx = merge.context(conf, query="unit", app_id=f"unit-{uuid.uuid4().hex[:6]}")
+    frame = lambda rows: spark.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
+    stats = [merge.process_batch(frame(batch0), 0, ctx)]
+    items_after_0 = _rows(spark, conf, "items")
+    control.put(conf, "truncate/unit.trunc", {"commit_lsn": 20, "event_serial": 0, "ts_ms": NOW_MS})
+    stats.append(merge.process_batch(frame(batch1), 1, ctx))
+    versions_after_1 = _versions(spark, conf)
+    stats.append(merge.process_batch(frame(batch1), 1, ctx))  # the same batch again: a retried batch
+    return {"conf": conf, "spark": spark, "stats": stats, "versions_after_1": versions_after_1,
+            "versions_after_retry": _versions(spark, conf), "items_id": items.value_id, "items_after_0": items_after_0}
+
+
+def _versions(spark, conf) -> dict:
+    """Latest Delta version of every bronze and silver table and the dead-letter table."""
+    from delta.tables import DeltaTable
+
+    paths = [merge.dead_letter_path(conf)] + [p for spec in merge.table_specs(conf)
+                                              for p in (merge.bronze_path(conf, spec), merge.silver_path(conf, spec))]
+    return {p: DeltaTable.forPath(spark, p).history(1).collect()[0]["version"] for p in paths}
+
+
+def _rows(spark, conf, table) -> dict:
+    """Every silver row (deleted ones too) by id."""
+    return {r["id"]: r.asDict() for r in merge.silver(spark, conf, f"unit.{table}", include_deleted=True).collect()}
+
+
+@pytest.fixture(scope="module")
+def items(run):
+    return _rows(run["spark"], run["conf"], "items")
+
+
+def test_order_duplicates_and_toast_inside_one_batch(items):
+    one = items[1]
+    assert (one["name"], one["big"], one["_op"], one["_commit_lsn"], one["_deleted"]) == ("one-c", "B1", "u", 111,
+                                                                                         False)
+    assert items[2]["name"] == "two" and items[2]["_commit_lsn"] == 120
+
+
+def test_typed_columns_come_out_with_spark_types(run, items):
+    schema = merge.silver(run["spark"], run["conf"], "unit.items").schema
+    types = {f.name: f.dataType for f in schema.fields}
+    assert types["amount"] == T.DecimalType(14, 2)
+    assert types["paid_at"] == T.TimestampType() and types["local_at"] == T.TimestampNTZType()
+    assert types["due"] == T.DateType() and types["ref"] == T.StringType()
+    assert types["tags"] == T.ArrayType(T.StringType()) and "first_name" in types
+    assert types["_deleted"] == T.BooleanType() and types["_deleted_at"] == T.TimestampType()
+    six = items[6]
+    assert six["amount"] == Decimal("12.34") and six["due"] == date(2022, 1, 8) and six["ref"] == UUID6
+    assert six["local_at"] == datetime(1970, 1, 2, 0, 0, 0, 1) and six["tags"] == ["a", None]
+    assert six["first_name"] == "Ann"
+    assert six["paid_at"] == datetime.fromtimestamp(1_700_000_000).replace(microsecond=123_456)
+
+
+def test_deletes_leave_tombstones_that_late_events_cannot_resurrect(items):
+    three = items[3]
+    assert three["_deleted"] and three["_commit_lsn"] == 130 and three["name"] is None  # late c(125) ignored
+    four = items[4]
+    assert four["_deleted"] and four["_op"] == "d" and four["_commit_lsn"] == 141 and four["name"] == "four"
+    assert items[1]["name"] == "one-c"  # late u(105) ignored
+
+
+def test_lone_tombstone_soft_deletes_and_keeps_position(items):
+    seven = items[7]
+    assert seven["_deleted"] and seven["_op"] == "tombstone" and seven["_commit_lsn"] == 170
+
+
+def test_primary_key_change_deletes_the_old_key(items):
+    assert items[8]["_deleted"] and items[8]["_commit_lsn"] == 176
+    assert items[9]["name"] == "nine" and not items[9]["_deleted"]
+
+
+def test_unchanged_toast_keeps_the_stored_value(items):
+    assert items[6]["name"] == "six-b" and items[6]["big"] == "B6"
+    # inserted while big was unknown: marked, then filled by a later event
+    assert items[5]["big"] == "B5" and items[5]["_unknown_cols"] is None
+
+
+def test_unknown_toast_on_insert_is_marked(run):
+    five = run["items_after_0"][5]
+    assert (five["name"], five["big"], five["_unknown_cols"]) == ("five", None, ["big"])
+    assert run["stats"][0]["tables"]["unit.items"] == {"events": 13, "tombstones": 1, "dead_letters": 6}
+
+
+def test_schema_versions_in_one_batch_and_a_reverted_schema(run):
+    rows = _rows(run["spark"], run["conf"], "evolve")
+    assert (rows[1]["name"], rows[1]["extra"]) == ("a2", "y")
+    assert (rows[2]["name"], rows[2]["extra"], rows[2]["_commit_lsn"]) == ("b2", None, 13)  # dropped: null
+
+
+def test_truncate_from_the_control_topic(run):
+    rows = _rows(run["spark"], run["conf"], "trunc")
+    assert {k: (r["_deleted"], r["_op"]) for k, r in rows.items()} == {
+        1: (True, "t"), 2: (True, "t"), 3: (False, "c"), 5: (False, "c")}  # 4 (older than the truncate) ignored
+    assert (rows[1]["_commit_lsn"], rows[1]["_event_serial"]) == (20, 0)
+
+
+def test_poison_goes_to_the_dead_letter_table_and_good_rows_still_merge(run, items):
+    counts = {(r["reason"]): r["messages"] for r in merge.dead_letter_counts(run["spark"], run["conf"]).collect()}
+    assert counts == {"not_framed": 3, "unknown_schema_id": 1, "undecodable": 1, "null_key": 1}
+    assert run["stats"][0]["dead_letters"] == counts
+    dead = run["spark"].read.format("delta").load(merge.dead_letter_path(run["conf"])) \
+        .filter("reason = 'undecodable'").collect()[0]
+    assert dead["value"].endswith(b"\xff\xff\xff") and dead["value_schema_id"] == run["items_id"]
+    assert "offset" in dead["detail"] and dead["topic"].endswith("unit.items")
+    assert 90 not in items and 2 in items
+
+
+def test_a_retried_batch_commits_nothing(run):
+    counted = [{t: (c["events"], c["tombstones"]) for t, c in run["stats"][i]["tables"].items()} for i in (1, 2)]
+    assert counted[0] == counted[1]  # it was processed again...
+    assert run["versions_after_retry"] == run["versions_after_1"]  # ...and Delta skipped every commit
+    bronze = run["spark"].read.format("delta").load(merge.bronze_path(run["conf"], merge.table_specs(run["conf"])[0]))
+    assert bronze.count() == bronze.select("_kafka_partition", "_kafka_offset").distinct().count() == 13 + 1 + 6
+
+
+def test_summary_and_cleanup_of_old_tombstones(run):
+    summary = {r["table"]: r for r in merge.summary(run["spark"], run["conf"]).collect()}
+    assert summary["unit.items"]["silver_rows"] == 5 and summary["unit.items"]["deleted_rows"] == 4
+    assert summary["unit.trunc"]["last_lsn"] == "0/1E"
+    assert merge.cleanup_tombstones(run["spark"], run["conf"])["unit.items"] == 0  # younger than 168 h
+    removed = merge.cleanup_tombstones(run["spark"], run["conf"], retention_hours=0)
+    assert removed == {"unit.items": 4, "unit.evolve": 0, "unit.trunc": 2}
