@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -55,3 +56,28 @@ def spark_session(conf):
     session = spark.from_conf(config.apply_overrides(conf, {"CDC__SPARK__APP_NAME": "cdc-tests"}))
     yield session
     session.stop()
+
+
+def drop_replication_slot(conf: dict, slot: str, timeout: float = 30.0) -> None:
+    """Drop a slot of conf's database once its walsender has gone (the pipeline role holds REPLICATION)."""
+    conn = source.connect(conf)
+    conn.autocommit = True
+    deadline = time.monotonic() + timeout
+    with conn.cursor() as cur:
+        while True:
+            cur.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+            row = cur.fetchone()
+            if row is None:
+                break
+            if not row[0]:
+                cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                break
+            assert time.monotonic() < deadline, f"slot {slot} stayed active"
+            time.sleep(0.2)
+    conn.close()
+
+
+@pytest.fixture(scope="session")
+def drop_slot():
+    """drop_slot(conf, slot): remove a test's replication slot once nothing streams from it."""
+    return drop_replication_slot

@@ -70,7 +70,8 @@ def consume_all(conf, topic, expected, timeout=30.0):
     return messages
 
 
-def test_row_written_to_postgres_is_seen_through_a_logical_slot(live_stack, scratch_database, run_id):
+def test_row_written_to_postgres_is_seen_through_a_logical_slot(live_stack, scratch_database, run_id,
+                                                                 drop_slot):
     slot, publication = f"test_slot_{run_id}", f"test_pub_{run_id}"
     admin = source.connect(live_stack, admin=True, dbname=scratch_database)
     admin.autocommit = True
@@ -98,27 +99,8 @@ def test_row_written_to_postgres_is_seen_through_a_logical_slot(live_stack, scra
         assert b"seen-through-the-slot" in inserted and b"42" in inserted
     finally:
         stream.close()
-        drop_slot(live_stack, scratch_database, slot)
+        drop_slot(config.apply_overrides(live_stack, {"CDC__SOURCE__DATABASE": scratch_database}), slot)
         admin.close()
-
-
-def drop_slot(conf, database, slot, timeout=30.0):
-    """Drop a slot once its walsender has gone (the pipeline role holds REPLICATION)."""
-    conn = source.connect(conf, dbname=database)
-    conn.autocommit = True
-    deadline = time.monotonic() + timeout
-    with conn.cursor() as cur:
-        while True:
-            cur.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))
-            row = cur.fetchone()
-            if row is None:
-                break
-            if not row[0]:
-                cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                break
-            assert time.monotonic() < deadline, f"slot {slot} stayed active"
-            time.sleep(0.2)
-    conn.close()
 
 
 def test_avro_message_round_trips_through_kafka_and_the_registry(live_stack, registry_client, topic):

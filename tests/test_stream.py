@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def cdc(live_stack, scratch_database, run_id):
+def cdc(live_stack, scratch_database, run_id, drop_slot):
     """conf with this run's slot/publication/prefix; schema bank created, slot made, then the sample loaded."""
     overrides = {
         "CDC__SOURCE__DATABASE": scratch_database,
@@ -116,25 +116,6 @@ def create_slot(conf: dict, slot: str) -> int:
         return str_to_lsn(cursor.fetchone()[1])
     finally:
         conn.close()
-
-
-def drop_slot(conf: dict, slot: str, timeout: float = 30.0) -> None:
-    """Drop a slot once its walsender has gone (the pipeline role holds REPLICATION)."""
-    conn = source.connect(conf)
-    conn.autocommit = True
-    deadline = time.monotonic() + timeout
-    with conn.cursor() as cur:
-        while True:
-            cur.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))
-            row = cur.fetchone()
-            if row is None:
-                break
-            if not row[0]:
-                cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                break
-            assert time.monotonic() < deadline, f"slot {slot} stayed active"
-            time.sleep(0.2)
-    conn.close()
 
 
 def admin_conn(conf):
