@@ -76,9 +76,9 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
     """Every configured table exists, is readable by the pipeline role, has a key and mappable types."""
     names = list(config.get(conf, "source.tables"))
     try:
-        tables = catalog.describe_tables(conn, names)
+        tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys", {}))
     except catalog.CatalogError as exc:
-        return {}, [Finding("configured tables exist", False, str(exc), "fix source.tables in conf")]
+        return {}, [Finding("configured tables exist", False, str(exc), "fix source.tables (and source.keys) in conf")]
     findings = []
     unknown_types = config.get(conf, "source.unknown_types", "error")
     prefix = config.get(conf, "kafka.topic_prefix")
@@ -91,13 +91,16 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
             try:
                 catalog.check_capturable(table)
                 key = ", ".join(table.primary_key)
-                findings.append(Finding(f"{name}: keyed", True, f"primary key ({key}), replica identity "
+                findings.append(Finding(f"{name}: keyed", True, f"{table.key_source} ({key}), replica identity "
                                         f"{table.replica_identity}"))
+                if table.key_source == "source.keys" and readable:
+                    findings.append(declared_key_unique(conn, name, table))
             except catalog.CatalogError as exc:
                 findings.append(Finding(f"{name}: keyed", False, str(exc),
                                         "publishing UPDATE/DELETE for a table without a key makes those "
-                                        "statements FAIL ON THE SOURCE: add a primary key, or remove the "
-                                        "table from source.tables"))
+                                        "statements FAIL ON THE SOURCE: add a primary key, key it by a replica "
+                                        "identity index, declare its key in source.keys with REPLICA IDENTITY "
+                                        "FULL, or remove it from source.tables"))
             try:
                 avro_schemas.value_schema(table, prefix, unknown_types)
                 findings.append(Finding(f"{name}: column types mapped to Avro", True, f"{len(table.columns)} columns"))
@@ -105,6 +108,21 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
                 findings.append(Finding(f"{name}: column types mapped to Avro", False, str(exc),
                                         "cast the column or set source.unknown_types: string"))
     return tables, findings
+
+
+def declared_key_unique(conn, name: str, table: catalog.Table) -> Finding:
+    """A key declared in source.keys is unique in the rows there now (PostgreSQL does not enforce it)."""
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in table.primary_key)
+    query = sql.SQL("SELECT count(*) FROM (SELECT 1 FROM {}.{} GROUP BY {} HAVING count(*) > 1) d").format(
+        sql.Identifier(table.schema), sql.Identifier(table.name), columns)
+    with conn.cursor() as cur:
+        cur.execute(query)
+        duplicated = cur.fetchone()[0]
+    key = ", ".join(table.primary_key)
+    return Finding(f"{name}: declared key ({key}) unique", duplicated == 0,
+                   "yes" if duplicated == 0 else f"{duplicated} key value(s) occur more than once",
+                   f"choose columns that identify a row in source.keys.{name}, or add a primary key; rows sharing "
+                   f"a key would collapse into one in Kafka and Delta")
 
 
 def slot_findings(conn, conf: dict) -> list[Finding]:

@@ -9,6 +9,7 @@ with the pipeline role (SELECT on pg_catalog is enough).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # pg_type.typtype -> our kind (arrays are base types with an element; see _kind)
@@ -111,11 +112,12 @@ class Table:
     name: str
     oid: int
     columns: tuple[Column, ...]
-    primary_key: tuple[str, ...]  # column names in key order; () when the table has none
+    primary_key: tuple[str, ...]  # the key (see key_source), column names in key order; () when there is none
     replica_identity: str  # d (default = PK), f (full), i (index), n (nothing)
     identity_index: str | None = None  # replica identity 'i': the index name
     identity_index_columns: tuple[str, ...] = ()  # replica identity 'i': its key columns
     kind: str = "r"  # pg_class.relkind: r table, p partitioned table
+    key_source: str = "primary key"  # where primary_key comes from: primary key, replica identity index, source.keys
 
     @property
     def qualified(self) -> str:
@@ -213,8 +215,13 @@ SELECT enumtypid, enumlabel FROM pg_enum WHERE enumtypid = ANY(%s) ORDER BY enum
 """
 
 
-def describe_tables(conn, tables: list[str]) -> dict[str, Table]:
-    """Table metadata for each configured name (key = the name as given); unknown name -> CatalogError."""
+def describe_tables(conn, tables: list[str], keys: dict[str, list[str]] | None = None) -> dict[str, Table]:
+    """Table metadata for each configured name (key = the name as given); unknown name -> CatalogError.
+
+    A table without a primary key is keyed by its REPLICA IDENTITY USING INDEX columns, or by the
+    columns conf declares for it in `keys` (source.keys; docs/events.md, "Tables without a primary key").
+    """
+    keys = keys or {}
     with conn.cursor() as cur:
         found: dict[str, tuple] = {}
         missing = []
@@ -265,18 +272,61 @@ def describe_tables(conn, tables: list[str]) -> dict[str, Table]:
                 pk = keycols
             if is_ident:
                 ident_index, ident_cols = index_name, keycols
-        result[name] = Table(schema=schema, name=relname, oid=oid, columns=columns, primary_key=pk,
-                             replica_identity=ident, identity_index=ident_index if ident == "i" else None,
-                             identity_index_columns=ident_cols if ident == "i" else (), kind=relkind)
+        table = Table(schema=schema, name=relname, oid=oid, columns=columns, primary_key=pk,
+                      replica_identity=ident, identity_index=ident_index if ident == "i" else None,
+                      identity_index_columns=ident_cols if ident == "i" else (), kind=relkind)
+        result[name] = _effective_key(table, keys.get(name))
+    unknown = sorted(set(keys) - set(tables))
+    if unknown:
+        raise CatalogError(f"source.keys names table(s) that are not in source.tables: {', '.join(unknown)}; "
+                           f"add them to source.tables or remove them from source.keys")
     return result
 
 
+def _effective_key(table: Table, declared: list[str] | None) -> Table:
+    """The table keyed by its primary key, else its replica identity index, else the columns conf declares."""
+    if declared is not None:
+        if table.primary_key:
+            raise CatalogError(f"source.keys declares a key for {table.qualified}, which has a primary key "
+                               f"({', '.join(table.primary_key)}): remove {table.qualified} from source.keys")
+        if isinstance(declared, str) or not declared:
+            raise CatalogError(f"source.keys.{table.qualified} must be a non-empty list of column names")
+        names = {c.name for c in table.columns}
+        for column in declared:
+            if column not in names:
+                raise CatalogError(f"source.keys.{table.qualified} names column {column!r}, which "
+                                   f"{table.qualified} does not have; columns: {', '.join(sorted(names))}")
+            if not table.column(column).not_null:
+                raise CatalogError(f"source.keys.{table.qualified}: key column {table.qualified}.{column} "
+                                   f"allows NULL; declare NOT NULL columns only (ALTER TABLE {table.qualified} "
+                                   f"ALTER COLUMN {column} SET NOT NULL) or choose other columns")
+        return dataclasses.replace(table, primary_key=tuple(declared), key_source="source.keys")
+    if not table.primary_key and table.replica_identity == "i":
+        return dataclasses.replace(table, primary_key=table.identity_index_columns,
+                                   key_source=f"replica identity index {table.identity_index}")
+    return table
+
+
 def check_capturable(table: Table) -> None:
-    """Raise CatalogError (with the remedy) unless updates and deletes can be keyed by the primary key."""
+    """Raise CatalogError (with the remedy) unless updates and deletes can be keyed.
+
+    Publishing UPDATE/DELETE for a table with neither a primary key nor REPLICA IDENTITY
+    USING INDEX/FULL makes those statements FAIL on the source, hence the refusal.
+    """
     if not table.primary_key:
         raise CatalogError(
-            f"table {table.qualified} has no primary key; topics are keyed by primary key: add one "
-            f"(ALTER TABLE {table.qualified} ADD PRIMARY KEY (...)) or remove the table from source.tables")
+            f"table {table.qualified} has no primary key; topics are keyed by primary key, and once it is "
+            f"published UPDATE and DELETE on it would fail on the source. Remedies: add one (ALTER TABLE "
+            f"{table.qualified} ADD PRIMARY KEY (...)); or ALTER TABLE {table.qualified} REPLICA IDENTITY USING "
+            f"INDEX <unique index on NOT NULL columns>; or declare its key columns under source.keys and run "
+            f"ALTER TABLE {table.qualified} REPLICA IDENTITY FULL (docs/events.md, \"Tables without a primary "
+            f"key\"); or remove the table from source.tables")
+    if table.key_source == "source.keys" and table.replica_identity != "f":
+        raise CatalogError(
+            f"table {table.qualified} is keyed by source.keys ({', '.join(table.primary_key)}) but its replica "
+            f"identity is {_IDENTITY_NAMES.get(table.replica_identity, table.replica_identity)}: once published, "
+            f"UPDATE and DELETE on it would fail on the source and deletes could not be keyed; run ALTER TABLE "
+            f"{table.qualified} REPLICA IDENTITY FULL first")
     if table.replica_identity == "n":
         raise CatalogError(
             f"table {table.qualified} has REPLICA IDENTITY NOTHING: updates and deletes carry no key; "
@@ -292,6 +342,9 @@ def check_capturable(table: Table) -> None:
         raise CatalogError(
             f"table {table.qualified}: primary key column(s) {', '.join(generated)} are generated columns, "
             f"which pgoutput does not send; use a plain key column")
+
+
+_IDENTITY_NAMES = {"d": "DEFAULT", "n": "NOTHING", "i": "USING INDEX", "f": "FULL"}
 
 
 def _load_types(cur, oids: set[int]) -> dict[int, tuple]:
@@ -315,6 +368,12 @@ def _load_types(cur, oids: set[int]) -> dict[int, tuple]:
         for typid, label in cur.fetchall():
             labels.setdefault(typid, []).append(label)
     return {oid: r + (tuple(labels.get(oid, ())),) for oid, r in rows.items()}
+
+
+def type_of(cur, oid: int, typmod: int) -> PgType | None:
+    """The PgType tree of a type oid with a typmod, read from pg_type; None when the type no longer exists."""
+    types = _load_types(cur, {oid})
+    return _build(types, oid, typmod) if oid in types else None
 
 
 def _build(types: dict[int, tuple], oid: int, typmod: int) -> PgType:

@@ -209,7 +209,7 @@ def _inner(convert):
     """The converter without its None check, or None for text passed through unchanged (fewer calls per value)."""
     defaults = getattr(convert, "__defaults__", None) or ()
     inner = defaults[0] if len(defaults) == 1 and callable(defaults[0]) else convert
-    return None if inner is getattr(pgtypes, "_identity", object()) else inner
+    return None if inner is pgtypes.text_as_is else inner
 
 
 # ---------------------------------------------------------------------------------------------

@@ -223,7 +223,7 @@ def _converter(column: Column, pgtype: PgType, unknown_types: str) -> Callable[[
     avro = _avro_base(column, pgtype, unknown_types)  # raises for unsupported types
     t = pgtype.resolved()
     if avro == "string" and (t.kind == "array" or _scalar_key(t) is None):
-        return _identity  # unknown_types="string": the text form as is
+        return text_as_is  # unknown_types="string": the text form as is
     if t.kind == "array":
         element = _converter(column, t.element, unknown_types)
         return functools.partial(_parse_array, element=element, column=column)
@@ -231,13 +231,14 @@ def _converter(column: Column, pgtype: PgType, unknown_types: str) -> Callable[[
     if key == "numeric":
         precision, scale = numeric_precision_scale(t)
         if precision is None:
-            return _identity
+            return text_as_is
         return functools.partial(_parse_decimal, column=column, precision=precision, scale=scale)
     factory = _FACTORIES.get(key)
-    return factory(column) if factory else _identity
+    return factory(column) if factory else text_as_is
 
 
-def _identity(text: str) -> str:
+def text_as_is(text: str) -> str:
+    """The converter of values sent as their PostgreSQL text form."""
     return text
 
 

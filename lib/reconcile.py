@@ -96,6 +96,13 @@ def _source_frame(spark: SparkSession, conn, table: catalog.Table, fields: list[
     return spark.read.schema(schema).parquet(staging)
 
 
+def declared_keys(conf: dict, specs: list) -> dict[str, list[str]]:
+    """source.keys of the given table specs, by their schema.table names."""
+    keys = config.get(conf, "source.keys", {}) or {}
+    names = dict(zip([s.qualified for s in merge.table_specs(conf)], config.get(conf, "source.tables"), strict=True))
+    return {s.qualified: keys[names[s.qualified]] for s in specs if names.get(s.qualified) in keys}
+
+
 def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, sample: int = 10,
               dbname: str | None = None, chunk_rows: int = 50_000, conn=None) -> list[dict]:
     """Compare every configured table (or those named) with its silver table.
@@ -120,7 +127,7 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
                 cur.execute("SELECT set_config(%s, %s, true)", (name, value))
     results = []
     try:
-        described = catalog.describe_tables(conn, [s.qualified for s in specs])
+        described = catalog.describe_tables(conn, [s.qualified for s in specs], declared_keys(conf, specs))
         for spec in specs:
             table = described[spec.qualified]
             names = avro_schemas.field_names(table.columns)

@@ -840,7 +840,7 @@ def run(conf: dict, spark, progress=print, resnapshot: bool = False) -> dict:
     names = list(config.get(conf, "source.tables"))
     conn = source.connect(conf)
     try:
-        tables = catalog.describe_tables(conn, names)
+        tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys", {}))
         for table in tables.values():
             catalog.check_capturable(table)
         _require_publication(conn, conf, tables)

@@ -120,6 +120,7 @@ class _State:
         self.sql = self.repl = self.cursor = self.producer = self.registry = None
         self.spool_dir: str | None = None
         self.topics: dict[str, str] = {}  # configured schema.table -> topic
+        self.keys: dict[str, list[str]] = {}  # schema.table -> key columns declared in source.keys
         self.relations: dict[int, object] = {}  # relation oid -> latest Relation message
         self.plans: dict[int, events.Plan] = {}  # relation oid -> plan of its current Relation
         self.shapes: dict[tuple, events.Plan] = {}  # Relation shape -> plan (a Relation may be resent)
@@ -244,9 +245,12 @@ def _open(st: _State, pg_options: str, spool_dir: str | None) -> None:
         cur.execute("SELECT pg_current_wal_lsn()::text")
         st.target = st.server_lsn = str_to_lsn(cur.fetchone()[0])
     names = list(config.get(conf, "source.tables"))
-    for table in catalog.describe_tables(st.sql, names).values():
+    declared = config.get(conf, "source.keys", {}) or {}
+    for name, table in catalog.describe_tables(st.sql, names, declared).items():
         catalog.check_capturable(table)
         st.topics[table.qualified] = topic_name(st.prefix, table)
+        if name in declared:
+            st.keys[table.qualified] = declared[name]
     _check_topics(st)
     st.registry = schema_registry.client(conf)
     settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer", None) or {}),
@@ -658,7 +662,8 @@ def _build_plan(st: _State, relation) -> events.Plan:
     _keepalive(st, quiet=True)  # catalog and registry calls block: keep the walsender's timeout away
     name = f'"{_quote(relation.namespace)}"."{_quote(relation.name)}"'
     try:
-        table = catalog.describe_tables(st.sql, [name])[name]
+        declared = {name: st.keys[qualified]} if qualified in st.keys else None
+        table = catalog.describe_tables(st.sql, [name], declared)[name]
         catalog.check_capturable(table)
         table = _match_relation(st, table, relation)
         plan = events.plan(table, st.prefix, st.database, st.unknown_types)
@@ -725,16 +730,16 @@ def _match_relation(st: _State, table: catalog.Table, relation) -> catalog.Table
 def _column_from_relation(st: _State, table: catalog.Table, rc, known, attnum: int) -> catalog.Column:
     """A catalog Column for a Relation column whose type the current catalog no longer shows."""
     with st.sql.cursor() as cur:
-        types = catalog._load_types(cur, {rc.type_oid})
+        pgtype = catalog.type_of(cur, rc.type_oid, rc.type_modifier)
         cur.execute("SELECT format_type(%s, %s), typlen = -1 FROM pg_type WHERE oid = %s",
                     (rc.type_oid, rc.type_modifier, rc.type_oid))
         row = cur.fetchone()
-    if row is None or rc.type_oid not in types:
+    if row is None or pgtype is None:
         raise StreamError(f"column {table.qualified}.{rc.name}: its type (oid {rc.type_oid}) no longer exists, so "
                           f"changes made before the type was dropped cannot be converted; re-snapshot the table "
                           f"(notebook 02)")
     return catalog.Column(table=table.qualified, name=rc.name, attnum=attnum, type_name=row[0],
-                          type=catalog._build(types, rc.type_oid, rc.type_modifier),
+                          type=pgtype,
                           not_null=known.not_null if known is not None else False, toastable=row[1])
 
 
