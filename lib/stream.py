@@ -62,7 +62,7 @@ import psycopg2.errors
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from lib import catalog, config, control, events, pgtypes, schema_registry, source
+from lib import catalog, config, control, events, incremental, pgtypes, schema_registry, source
 from lib.avro_schemas import topic_name
 from lib.pgoutput import Decoder, PgOutputError, lsn_to_str, str_to_lsn
 
@@ -80,6 +80,7 @@ PRODUCER_DEFAULTS = {
     "queue.buffering.max.messages": 100_000,
     "queue.buffering.max.kbytes": 65_536,
 }
+INCREMENTAL_CHECK_S = 10.0  # how often the capture looks for new incremental snapshot requests
 _SPOOLED = frozenset(b"RYIUDTM")  # messages inside a stream block that belong to the streamed transaction
 _RECORD = struct.Struct(">QI")  # spool record header: data_start, payload length
 
@@ -147,6 +148,13 @@ class _State:
         self.interval_events = 0
         self.server_lsn: int | None = None
         self.caught_up = False
+        self.incremental: list[dict] = []  # requested incremental snapshots (lib.incremental), oldest first
+        self.chunk: dict | None = None  # the chunk being read or waiting for its watermark
+        self.chunk_seq = self.chunk_failures = 0
+        self.chunk_rows = int(config.get(conf, "source.incremental_chunk_rows", incremental.DEFAULT_CHUNK_ROWS))
+        self.last_incremental_check = time.monotonic()
+        self.incremental_check_s = float(config.get(conf, "source.incremental_check_s", INCREMENTAL_CHECK_S))
+        self.chunk_retry_at = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +260,7 @@ def _open(st: _State, pg_options: str, spool_dir: str | None) -> None:
         if name in declared:
             st.keys[table.qualified] = declared[name]
     _check_topics(st)
+    _check_incremental(st)
     st.registry = schema_registry.client(conf)
     settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer", None) or {}),
                 "bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
@@ -419,6 +428,8 @@ def _handle(st: _State, message) -> None:
         _stream_commit(st, m)
     elif kind == "A":
         _stream_abort(st, m)
+    elif kind == "M" and m.prefix == incremental.WATERMARK_PREFIX:
+        _watermark(st, m)
     # Y (types: the catalog describes them), M (logical messages, e.g. heartbeats), O (origin): nothing to send
 
 
@@ -472,6 +483,10 @@ def _produce(st: _State, plan: events.Plan, pairs: list) -> None:
     """Produce wire-format (key, value) pairs; a full producer queue waits, keeping the slot alive."""
     tracker, delivered, produce = st.tracker, st.on_delivery, st.producer.produce
     topic = plan.topic
+    chunk = st.chunk
+    if chunk is not None and chunk["table"] == plan.qualified:  # streamed changes of the table being snapshotted
+        commit_lsn = st.tx.commit_lsn
+        chunk["changed"].extend((commit_lsn, k[5:]) for k, _ in pairs)
     for k, v in pairs:
         tracker[0] += 1
         while True:
@@ -568,6 +583,10 @@ def _tick(st: _State) -> bool:
     if st.heartbeat_s and now - st.last_heartbeat >= st.heartbeat_s:
         st.last_heartbeat = now
         _heartbeat(st)
+    if now - st.last_incremental_check >= st.incremental_check_s:
+        st.last_incremental_check = now
+        _check_incremental(st)
+    _next_chunk(st)
     if now - st.last_metrics >= st.metrics_interval_s:
         interval = now - st.last_metrics
         st.last_metrics = now
@@ -579,7 +598,9 @@ def _tick(st: _State) -> bool:
 
 
 def _caught_up(st: _State) -> bool:
-    """Everything committed before the target position was read (what is unread committed after it)."""
+    """Everything committed before the target position was read, and every requested incremental snapshot done."""
+    if st.incremental or st.chunk is not None:
+        return False
     if st.tx is not None and st.tx.commit_lsn < st.target:
         return False
     if st.cursor.wal_end >= st.target:
@@ -654,6 +675,8 @@ def _plan(st: _State, oid: int) -> events.Plan:
 def _build_plan(st: _State, relation) -> events.Plan:
     qualified = f"{relation.namespace}.{relation.name}"
     stopped = f"the capture stopped before this change; the slot stays at {lsn_to_str(st.acked)}"
+    if qualified not in st.topics:
+        _check_incremental(st)  # a table added live (lib.incremental) is known once its request is read
     if qualified not in st.topics:
         raise StreamError(
             f"table {qualified} is in publication {st.publication} but not in source.tables "
@@ -784,6 +807,8 @@ def _truncate(st: _State, m, lsn: int) -> None:
                               f"source.tables; add it there or remove it from the publication")
         record = {"commit_lsn": tx.commit_lsn, "event_serial": st.serial, "ts_ms": tx.commit_ms, "lsn": lsn,
                   "txId": tx.txid, "cascade": m.cascade, "restart_identity": m.restart_identity}
+        if st.chunk is not None and st.chunk["table"] == qualified:
+            st.chunk["truncated"] = tx.commit_lsn
         _keepalive(st, quiet=True)
         try:
             control.put(st.conf, f"truncate/{qualified}", record)
@@ -857,6 +882,8 @@ def _replay(st: _State, spool: list) -> bool:
             _relation(st, m)  # applied even from a rolled-back subtransaction: later changes may rely on it
         elif kind == "T" and m.xid not in aborted:
             _truncate(st, m, lsn)
+        elif kind == "M" and m.prefix == incremental.WATERMARK_PREFIX and m.xid not in aborted:
+            _watermark(st, m)
         count += 1
         if count % 1000 == 0:
             st.producer.poll(0)
@@ -864,6 +891,137 @@ def _replay(st: _State, spool: list) -> bool:
             _keepalive(st)
             if _tick(st) and st.stop_reason != "caught_up":
                 return False
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental snapshots (lib/incremental.py): chunks read beside the stream
+
+
+def _check_incremental(st: _State) -> None:
+    """Pick up new incremental snapshot requests from the control topic (a table added live joins st.topics)."""
+    try:
+        requests = incremental.pending(st.conf)
+    except control.ControlError as exc:
+        st.log(f"incremental cannot read requests: {exc}")
+        return
+    queued = {r["table"] for r in st.incremental}
+    for record in requests:
+        table = record["table"]
+        if table not in st.topics:  # added live: its changes may arrive from now on
+            st.topics[table] = topic_name(st.prefix, _describe(st, table, record.get("declared_key")))
+            if record.get("declared_key"):
+                st.keys[table] = record["declared_key"]
+        if table in queued or record["state"] == "requested":  # 'requested': not published yet, no chunk
+            continue
+        st.incremental.append(record)
+        st.log(f"incremental {table}: {record['state']}, resuming after key {record['last_key']}"
+               if record.get("last_key") else f"incremental {table}: starting")
+
+
+def _describe(st: _State, qualified: str, declared: list | None) -> catalog.Table:
+    """A table of an incremental request, described and checked like a configured one."""
+    schema, _, name = qualified.partition(".")
+    ident = f'"{_quote(schema)}"."{_quote(name)}"'
+    try:
+        table = catalog.describe_tables(st.sql, [ident], {ident: declared} if declared else None)[ident]
+        catalog.check_capturable(table)
+    except catalog.CatalogError as exc:
+        raise StreamError(f"incremental snapshot of {qualified}: {exc}") from exc
+    return table
+
+
+def _next_chunk(st: _State) -> None:
+    """Start reading the next chunk when none is under way; report a chunk that failed."""
+    chunk = st.chunk
+    if chunk is not None:
+        if chunk["error"] is not None and not chunk["thread"].is_alive():
+            st.chunk, st.chunk_failures = None, st.chunk_failures + 1
+            reason = f"{type(chunk['error']).__name__}: {str(chunk['error']).strip().splitlines()[0]}"
+            if st.chunk_failures >= 3:
+                raise StreamError(f"incremental snapshot of {chunk['table']}: reading a chunk failed 3 times "
+                                  f"({reason}); check that a replication slot and a WAL sender are free "
+                                  f"(max_replication_slots, max_wal_senders) and that the role may read the table, "
+                                  f"then restart the capture")
+            st.log(f"incremental {chunk['table']}: reading a chunk failed ({reason}); retrying in 5 s")
+            st.chunk_retry_at = time.monotonic() + 5.0
+        return
+    if not st.incremental or time.monotonic() < st.chunk_retry_at or st.stop_reason is not None:
+        return
+    record = st.incremental[0]
+    table = _describe(st, record["table"], record.get("declared_key"))
+    plan = events.plan(table, st.prefix, st.database, st.unknown_types)
+    key_subject, value_subject = schema_registry.subjects(plan.topic)
+    try:
+        key_id = schema_registry.register(st.registry, key_subject, plan.key_schema)[0]
+        value_id = schema_registry.register(st.registry, value_subject, plan.value_schema)[0]
+    except schema_registry.RegistryError as exc:
+        raise StreamError(f"incremental snapshot of {table.qualified}: {exc}") from exc
+    plan.set_ids(key_id, value_id)
+    st.chunk_seq += 1
+    chunk = {"table": table.qualified, "id": f"{os.getpid()}_{st.chunk_seq}", "plan": plan, "record": record,
+             "changed": [], "truncated": None, "result": None, "error": None}
+    args = (st.conf, table, list(plan.columns), record.get("last_key"), st.chunk_rows, chunk["id"])
+
+    def read(_chunk=chunk, _args=args):
+        try:
+            _chunk["result"] = incremental.read_chunk(*_args)
+        except BaseException as exc:  # noqa: BLE001 - reported by _next_chunk in the capture's thread
+            _chunk["error"] = exc
+
+    chunk["thread"] = threading.Thread(target=read, name=f"cdc-chunk-{chunk['id']}", daemon=True)
+    st.chunk = chunk
+    chunk["thread"].start()
+
+
+def _watermark(st: _State, m) -> None:
+    """A chunk's high watermark: every change committed before its snapshot was sent; send the chunk now."""
+    try:
+        mark = json.loads(bytes(m.content).decode())
+    except ValueError:
+        return
+    chunk = st.chunk
+    if mark.get("slot") != st.slot or chunk is None or mark.get("chunk") != chunk["id"]:
+        return  # another capture's, or one from before a restart (its chunk is read again)
+    chunk["thread"].join()
+    if chunk["error"] is not None:
+        return  # _next_chunk reports it
+    st.chunk = None
+    st.chunk_failures = 0
+    _emit_chunk(st, chunk)
+
+
+def _emit_chunk(st: _State, chunk: dict) -> None:
+    """Send the chunk's rows as 'r' events at (consistent point, -1), minus keys changed since; record progress."""
+    result, plan, record = chunk["result"], chunk["plan"], dict(chunk["record"])
+    consistent = result["consistent_lsn"]
+    newer = {body for lsn, body in chunk["changed"] if lsn >= consistent}
+    pairs = []
+    if chunk["truncated"] is None or chunk["truncated"] < consistent:
+        tx = events.Tx(consistent, None, int(time.time() * 1000), None, int(time.time() * 1000))
+        for row in result["rows"]:
+            converted, _ = events.values(plan, row)
+            key = plan.key_bytes(converted)
+            if key[5:] in newer:
+                continue
+            value = plan.encode_value(events.envelope(plan, "r", None, plan.as_dict(converted), [], tx, consistent,
+                                                      -1, "incremental"))
+            pairs.append((key, value))
+    _produce(st, plan, pairs)
+    if st.producer.flush(FLUSH_TIMEOUT_S):
+        raise DeliveryError(f"incremental snapshot of {chunk['table']}: Kafka did not acknowledge a chunk within "
+                            f"{FLUSH_TIMEOUT_S:.0f} s; the slot stays at {lsn_to_str(st.acked)} and the chunk is read "
+                            f"again after a restart")
+    _advance(st)
+    record.update(state="complete" if result["done"] else "running", last_key=result["last_key"],
+                  rows=record.get("rows", 0) + len(pairs), chunks=record.get("chunks", 0) + 1,
+                  updated_ms=int(time.time() * 1000))
+    control.put(st.conf, incremental.record_key(st.slot, chunk["table"]), record)
+    st.incremental[0] = record
+    if result["done"]:
+        st.incremental.pop(0)
+    st.log(f"incremental {chunk['table']}: chunk {record['chunks']} sent {len(pairs)} row(s) "
+           f"({len(result['rows']) - len(pairs)} newer in the stream), {record['rows']} in all"
+           + (", complete" if result["done"] else ""))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""Adding a table to a running pipeline: the capture snapshots it in chunks while the workload writes to it
+and to the other tables; after the merge, every table (the added one included) reconciles exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+from confluent_kafka.admin import AdminClient
+from psycopg2 import sql
+
+from lib import (
+    bootstrap,
+    catalog,
+    config,
+    incremental,
+    merge,
+    reconcile,
+    sample_db,
+    schema_registry,
+    snapshot,
+    source,
+    stream,
+    workload,
+)
+
+pytestmark = pytest.mark.stack
+
+ADDED = "bank.transactions"
+
+
+@pytest.fixture(scope="module")
+def incr(live_stack, run_id, drop_slot, tmp_path_factory):
+    """conf (all sample tables but bank.transactions) on a database of its own, bootstrapped and snapshotted."""
+    database = f"cdc_incr_{run_id}"
+    admin = source.connect(live_stack, admin=True, dbname="postgres")
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+    tables = [t for t in config.get(live_stack, "source.tables") if t != ADDED]
+    overrides = {
+        "CDC__SOURCE__DATABASE": database,
+        "CDC__SOURCE__SLOT": f"incr_{run_id}",
+        "CDC__SOURCE__PUBLICATION": f"incr_{run_id}",
+        "CDC__SOURCE__TABLES": "[" + ", ".join(tables) + "]",
+        "CDC__SOURCE__INCREMENTAL_CHUNK_ROWS": "150",
+        "CDC__SOURCE__INCREMENTAL_CHECK_S": "1",
+        "CDC__KAFKA__TOPIC_PREFIX": f"cdc-test-{run_id}-incr",
+        "CDC__LAKE__ROOT": str(tmp_path_factory.mktemp("incremental")),
+    }
+    conf = config.apply_overrides(live_stack, overrides)
+    owner = source.connect(conf, admin=True)
+    sample_db.create_schema(owner)
+    with owner.cursor() as cur:
+        cur.execute(sql.SQL("GRANT USAGE ON SCHEMA bank TO {0}; GRANT SELECT ON ALL TABLES IN SCHEMA bank TO {0}")
+                    .format(sql.Identifier(config.get(conf, "source.user"))))
+    sample_db.load(owner, customers=60)
+    owner.commit()
+    bootstrap.run(conf, log=lambda line: None)
+    yield conf
+    drop_slot(conf, config.get(conf, "source.slot"))
+    owner.close()
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
+    admin.close()
+    prefix = config.get(conf, "kafka.topic_prefix")
+    kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    doomed = [t for t in kafka_admin.list_topics(timeout=10).topics if t.startswith(prefix)]
+    for future in kafka_admin.delete_topics(doomed).values() if doomed else []:
+        with contextlib.suppress(Exception):
+            future.result(30)
+    registry = schema_registry.client(conf)
+    for subject in registry.get_subjects():
+        if subject.startswith(prefix):
+            for permanent in (False, True):
+                with contextlib.suppress(Exception):
+                    registry.delete_subject(subject, permanent=permanent)
+
+
+def with_added(conf: dict) -> dict:
+    """conf after the operator added bank.transactions to source.tables."""
+    tables = list(config.get(conf, "source.tables")) + [ADDED]
+    return config.apply_overrides(conf, {"CDC__SOURCE__TABLES": "[" + ", ".join(tables) + "]"})
+
+
+def test_adding_a_table_not_in_conf_is_refused_with_the_remedy(incr):
+    with pytest.raises(incremental.IncrementalError, match=r"bank.transactions is not in source.tables .*add it there"):
+        incremental.add_table(incr, ADDED)
+
+
+def test_chunk_query_reads_after_the_last_key_in_key_order(incr):
+    conn = source.connect(incr)
+    try:
+        table = catalog.describe_tables(conn, ["bank.account_holders"])["bank.account_holders"]
+        query = incremental.chunk_query(table, list(table.columns), True, 5).as_string(conn)
+        with conn.cursor() as cur:
+            cur.execute("SELECT account_id::text, customer_id::text FROM bank.account_holders "
+                        "ORDER BY account_id, customer_id LIMIT 3")
+            first = cur.fetchall()
+            rows = incremental.fetch_text(cur, incremental.chunk_query(table, list(table.columns), True, 5),
+                                          list(first[-1]))
+            cur.execute("SELECT account_id::text, customer_id::text FROM bank.account_holders "
+                        "ORDER BY account_id, customer_id OFFSET 3 LIMIT 5")
+            expected = cur.fetchall()
+    finally:
+        conn.close()
+    assert "WHERE (\"account_id\", \"customer_id\") > (%s::bigint, %s::bigint)" in query
+    width = len(table.columns)
+    assert [tuple(r[width:]) for r in rows] == expected
+    assert all(isinstance(v, str) for r in rows for v in r if v is not None)
+
+
+def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_session):
+    snapshot.run(incr, spark_session, progress=lambda line: None)
+    lines: list[str] = []
+    stop = threading.Event()
+    capture: dict = {}
+    thread = threading.Thread(target=lambda: capture.update(metrics=stream.run(
+        incr, until="forever", stop_event=stop, heartbeat_s=1, metrics_interval_s=1, log=lines.append)))
+    thread.start()
+    writer = source.connect(incr, admin=True)
+    written: dict = {}
+    load = threading.Thread(target=lambda: written.update(workload.run(writer, rate=40, duration=25, seed=5)))
+    load.start()
+    state = None
+    try:
+        time.sleep(3)
+        added = with_added(incr)
+        record = incremental.add_table(added, ADDED, log=lines.append)
+        assert record["state"] == "ready" and record["key_columns"] == ["transaction_id"]
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and thread.is_alive():
+            state = {r["table"]: r for r in incremental.progress(added)}.get(ADDED)
+            if state and state["state"] == "complete":
+                break
+            time.sleep(1)
+    finally:
+        load.join()
+        writer.close()
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive() and "metrics" in capture, "\n".join(lines[-20:])
+    assert state and state["state"] == "complete", (state, "\n".join(lines[-20:]))
+    assert state["chunks"] >= 2, state
+    assert any(line.startswith(f"incremental {ADDED}: chunk") for line in lines)
+
+    stream.run(added, until="caught_up")  # what the workload wrote last, with the conf that lists the table
+    merge.run_until_caught_up(added, spark_session)
+    results = reconcile.reconcile(added, spark_session)
+    unequal = [r for r in results if not r["equal"]]
+    assert not unequal, unequal
+    assert {r["table"] for r in results} == set(config.get(added, "source.tables"))
+    counts = {r["table"]: r["source_rows"] for r in results}
+    assert counts[ADDED] > 300 and written["inserts"][ADDED] > 0
+
+
+def test_remove_table_drops_it_from_the_publication(incr):
+    added = with_added(incr)
+    result = incremental.remove_table(added, ADDED, log=lambda line: None)
+    assert result == {"table": ADDED, "was_published": True}
+    conn = source.connect(incr)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT tablename FROM pg_publication_tables WHERE pubname = %s",
+                        (config.get(incr, "source.publication"),))
+            published = {r[0] for r in cur.fetchall()}
+    finally:
+        conn.close()
+    assert "transactions" not in published and "customers" in published
+    assert ADDED not in {r["table"] for r in incremental.progress(added)}
+    with pytest.raises(incremental.IncrementalError, match="not found"):
+        incremental.remove_table(added, "bank.nope", log=lambda line: None)
