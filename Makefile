@@ -12,8 +12,8 @@ STAMP := $(VENV)/.installed
 PG_BIN := /usr/lib/postgresql/15/bin
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test lint jupyter clean
-.SILENT: system demo
+.PHONY: install system fetch up down status logs sample demo test lint jupyter clean run stop teardown
+.SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
 
@@ -50,8 +50,19 @@ up: install  ## start PostgreSQL, Kafka and the registry (idempotent)
 down:  ## stop the stack (data and logs stay in .stack/)
 	$(PY) -m lib.stack down
 
-status:
+status:  ## the stack's services, then the pipeline: services, slot lag and WAL, events/s, merge lag, warnings
 	$(PY) -m lib.stack status
+	echo
+	$(PY) -m lib.monitor
+
+run: up  ## continuous mode: capture and merge as background processes (after notebooks 01-02, e.g. make demo)
+	$(PY) -m lib.service start
+
+stop:  ## stop the capture and merge processes (the stack keeps running)
+	$(PY) -m lib.service stop
+
+teardown:  ## drop the slot and publication (TOPICS=1: also the topics); says what is lost, acts only with YES=1
+	$(PY) -m lib.teardown $(if $(YES),--yes) $(if $(TOPICS),--topics)
 
 logs:
 	$(PY) -m lib.stack logs

@@ -1,0 +1,129 @@
+"""Offline parts of the continuous mode: checkpoint offsets, the metrics history and its plot, service state from
+pid files, the status report and the teardown's list of losses.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import matplotlib
+import pytest
+
+from lib import monitor, service, teardown
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture
+def conf(tmp_path):
+    return {"source": {"slot": "unit_slot", "tables": ["bank.customers"]}, "kafka": {"topic_prefix": "unit"},
+            "service": {"dir": str(tmp_path / "svc"), "metrics_interval_s": 2},
+            "monitor": {"warn_retained_wal_bytes": 1000}}
+
+
+def write_checkpoint(folder, batches: dict[int, list[dict]], committed: list[int]) -> None:
+    (folder / "offsets").mkdir(parents=True)
+    (folder / "commits").mkdir()
+    for batch, sources in batches.items():
+        lines = ["v1", json.dumps({"batchWatermarkMs": 0})] + [json.dumps(s) for s in sources]
+        (folder / "offsets" / str(batch)).write_text("\n".join(lines))
+    for batch in committed:
+        (folder / "commits" / str(batch)).write_text('v1\n{"nextBatchWatermarkMs":0}')
+
+
+def test_committed_offsets_are_those_of_the_last_committed_batch(tmp_path):
+    folder = tmp_path / "cp"
+    write_checkpoint(folder, {0: [{"a": {"0": 5, "1": 7}}], 1: [{"a": {"0": 9, "1": 7}}, {"b": {"0": 3}}],
+                              2: [{"a": {"0": 20, "1": 20}}]}, committed=[0, 1])
+    assert monitor.committed_offsets(str(folder)) == {"a": {0: 9, 1: 7}, "b": {0: 3}}  # batch 2 still running
+
+
+def test_committed_offsets_unknown_without_commits_or_for_object_stores(tmp_path):
+    write_checkpoint(tmp_path / "cp", {0: [{"a": {"0": 1}}]}, committed=[])
+    assert monitor.committed_offsets(str(tmp_path / "cp")) is None
+    assert monitor.committed_offsets(str(tmp_path / "missing")) is None
+    assert monitor.committed_offsets("s3://bucket/cp") is None
+
+
+def test_history_reads_every_record_and_plots(conf):
+    monitor.record(conf, "capture", {"interval_events_per_s": 12.5, "lag_bytes": 100, "lag_s": 0.2,
+                                     "retained_wal_bytes": 5000})
+    monitor.record(conf, "merge", {"interval_events_per_s": 10.0, "kafka_lag": 4, "batches": 1,
+                                   "dead_letters": {"bank.customers": 2}})
+    with open(monitor.metrics_path(conf, "merge"), "a") as handle:
+        handle.write('{"cut by a crash')  # a half-written line is skipped
+    frame = monitor.history(conf)
+    assert list(frame["service"]) == ["capture", "merge"]
+    assert frame.loc[0, "retained_wal_bytes"] == 5000 and frame.loc[1, "dead_letters"] == 2
+    assert monitor.latest(conf, "merge")["kafka_lag"] == 4
+    fig = monitor.plot(conf)
+    assert len(fig.axes) == 3
+
+
+def test_history_rotates_a_large_file(conf, monkeypatch):
+    monkeypatch.setattr(monitor, "MAX_HISTORY_BYTES", 200)
+    for i in range(10):
+        monitor.record(conf, "capture", {"events": i})
+    path = monitor.metrics_path(conf, "capture")
+    assert path.with_name(path.name + ".1").exists()
+    assert [r["events"] for r in monitor.records(conf, "capture")][-1] == 9
+
+
+def test_capture_record_counts_per_table_since_the_previous_record(conf):
+    previous: dict = {}
+    first = service.capture_record(conf, {"events_per_table": {"t": 5}, "elapsed_s": 2.0}, previous)
+    second = service.capture_record(conf, {"events_per_table": {"t": 12, "u": 1}}, previous)
+    assert first["interval_events_per_table"] == {"t": 5}
+    assert second["interval_events_per_table"] == {"t": 7, "u": 1}
+    assert "slot_error" in second  # no database in this conf: reported, not raised
+
+
+def test_a_dead_process_with_a_pid_file_is_crashed(conf):
+    paths = service.files(conf, "capture")
+    paths["pid"].parent.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    paths["pid"].write_text(f"{proc.pid}\n")
+    paths["log"].write_text("stream started\npython -m lib.service: error: slot x is gone; run notebook 02\n")
+    row = service.state(conf, "capture")
+    assert row["state"] == "crashed" and "slot x is gone" in row["last_line"]
+    assert service.state(conf, "merge")["state"] == "stopped"
+    service.stop(conf, log=lambda line: None)
+    assert not paths["pid"].exists()
+
+
+def test_start_on_databricks_points_to_the_bundle_jobs(conf, monkeypatch):
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "18.0")
+    with pytest.raises(service.ServiceError, match="cdc_capture and cdc_merge"):
+        service.start(conf)
+
+
+def test_command_line():
+    args = service.parser().parse_args(["run", "merge", "--target", "databricks"])
+    assert (args.command, args.service, args.run_target) == ("run", "merge", "databricks")
+    with pytest.raises(SystemExit):
+        service.main(["start", "capturer"])
+
+
+def test_report_shows_flows_and_warnings():
+    st = {"slot": "s", "at": "now", "kafka_lag": 3, "warnings": ["slot s has no consumer attached"],
+          "services": [{"service": "capture", "state": "stopped", "pid": None, "log": "c.log"}],
+          "slots": [{"slot": "s", "active": False, "active_pid": None, "lag_bytes": 2048, "lag_s": None,
+                     "retained_wal_bytes": 3 << 20, "wal_status": "reserved"}],
+          "tables": [{"table": "bank.customers", "events_in_per_s": 1.5, "events_out_per_s": 0.0,
+                      "kafka_messages": 10, "kafka_lag": 3, "last_merged_lsn": "0/16B3748", "dead_letters": 1}]}
+    text = monitor.report(st)
+    assert "NONE" in text and "3.0 MB" in text and "2.0 kB" in text and "0/16B3748" in text
+    assert "WARNING   slot s has no consumer attached" in text
+
+
+def test_teardown_names_what_is_lost():
+    plan = {"slot": "s", "slot_row": {"confirmed_flush_lsn": "0/10", "lag_bytes": 4096, "retained_wal_bytes": 1 << 20},
+            "publication": "p", "published_tables": ["bank.a"], "snapshot_record": {"state": "complete"},
+            "topics": {"x.bank.a": 12}, "subjects": ["x.bank.a-key", "x.bank.a-value"]}
+    lines = teardown.losses(plan)
+    assert lines[0].startswith("replication slot s: changes committed after 0/10") and "4.0 kB" in lines[0]
+    assert "publication p (bank.a)" in lines[1] and "snapshot/s" in lines[2] and "topic x.bank.a: 12" in lines[3]
+    assert "x.bank.a-value" in lines[4]
