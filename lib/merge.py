@@ -64,7 +64,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
-from lib import avro_schemas, config, control, schema_registry, secrets
+from lib import avro_schemas, config, control, debezium, schema_registry, secrets
 from lib.catalog import split_name
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,7 @@ class Layout:
     key: T.StructType
     nullable: set[str]  # fields that may be null in some version (TOAST candidates)
     pg_names: dict[int, dict[str, str]]  # writer id -> {pg column: avro field} where they differ
+    semantic: dict[int, dict[str, str]] = field(default_factory=dict)  # id -> Debezium types to convert
 
 
 def _value_record(schema: dict) -> dict | None:
@@ -255,9 +256,14 @@ def _layout(spark: SparkSession, schemas: Schemas, spec: TableSpec, value_ids: s
     row_fields: dict[str, T.StructField] = {}
     nullable: set[str] = set()
     pg_names: dict[int, dict[str, str]] = {}
+    semantic: dict[int, dict[str, str]] = {}
     for schema_id in ordered:
         record = _value_record(schemas.by_id[schema_id]) or {"fields": []}
         after = schemas.spark_type(spark, schema_id)["after"].dataType
+        if debezium.is_debezium(schemas.by_id[schema_id]):  # Debezium's types and TOAST placeholders
+            semantic[schema_id] = debezium.semantic_fields(record)
+            after = debezium.row_type(after, semantic[schema_id])
+            nullable |= debezium.toast_candidates(after)
         for fld in after.fields:
             row_fields.setdefault(fld.name.lower(), T.StructField(fld.name, fld.dataType))
         for fld in record["fields"]:
@@ -271,7 +277,10 @@ def _layout(spark: SparkSession, schemas: Schemas, spec: TableSpec, value_ids: s
         key_versions = schemas.versions(key_subject, refresh=True)
     known_keys = sorted(i for i in key_ids if schemas.writer(i) is not None)
     key_order = list(reversed(key_versions)) + [i for i in known_keys if i not in key_versions]
-    key_type = schemas.spark_type(spark, key_order[0]) if key_order else T.StructType([])
+    for i in key_order:
+        semantic[i] = debezium.semantic_fields(schemas.by_id[i])
+    key_type = debezium.row_type(schemas.spark_type(spark, key_order[0]), semantic[key_order[0]]) if key_order \
+        else T.StructType([])
     row = T.StructType(list(row_fields.values()))
     for name in (f.name for f in row.fields):
         if name.lower() in META_COLUMNS or name.startswith("__"):
@@ -281,7 +290,7 @@ def _layout(spark: SparkSession, schemas: Schemas, spec: TableSpec, value_ids: s
     if missing and row.fields:
         raise MergeError(f"topic {spec.topic}: key field(s) {', '.join(missing)} are not fields of the value "
                          f"schema; the key must be the table's primary key columns (see docs/events.md)")
-    return Layout(known_values, known_keys, row, key_type, nullable, pg_names)
+    return Layout(known_values, known_keys, row, key_type, nullable, pg_names, semantic)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,8 +339,8 @@ def _envelope_type(row: T.StructType) -> T.StructType:
 
 
 def _normalize(e: Column, writer: T.StructType, layout: Layout, schema_id: int) -> Column:
-    """One writer's decoded envelope -> the table's envelope type (Debezium writers without our ordering
-    fields fall back to source.lsn and event_serial -1 for snapshot rows, 0 otherwise)."""
+    """One writer's decoded envelope -> the table's envelope type (a Debezium writer, without our ordering
+    fields, gets its position from lib/debezium.py; its types and TOAST placeholders were mapped in decode)."""
     names = {f.name: f.dataType for f in writer.fields}
 
     def part(name: str, dst: T.DataType) -> Column:
@@ -339,17 +348,13 @@ def _normalize(e: Column, writer: T.StructType, layout: Layout, schema_id: int) 
 
     source = part("source", SOURCE_TYPE)
     src_fields = {f.name for f in names["source"].fields} if isinstance(names.get("source"), T.StructType) else set()
-    if "commit_lsn" not in src_fields or "event_serial" not in src_fields:
-        snapshot = F.coalesce(source["snapshot"], F.lit("false"))
-        source = source.withField("commit_lsn", F.coalesce(source["commit_lsn"], source["lsn"])).withField(
-            "event_serial", F.coalesce(source["event_serial"],
-                                       F.when(snapshot.isin("true", "last", "first", "incremental"), -1).otherwise(0)
-                                       .cast("long")))
     unchanged = F.coalesce(part("unchanged_cols", T.ArrayType(T.StringType())), F.array().cast("array<string>"))
     renamed = layout.pg_names.get(schema_id)
     if renamed:
         mapping = F.create_map(*[F.lit(x) for pair in renamed.items() for x in pair])
         unchanged = F.transform(unchanged, lambda x: F.coalesce(mapping[x], x))
+    if "commit_lsn" not in src_fields or "event_serial" not in src_fields:
+        source = debezium.position(source)
     return F.struct(part("before", layout.row).alias("before"), part("after", layout.row).alias("after"),
                     source.alias("source"), part("op", T.StringType()).alias("op"),
                     part("ts_ms", T.LongType()).alias("ts_ms"),
@@ -373,16 +378,16 @@ def decode(framed: DataFrame, spark: SparkSession, schemas: Schemas, layout: Lay
     for i in layout.key_ids:
         decoded.append(F.when(F.col("__kid") == i, from_avro(kbody, json.dumps(schemas.by_id[i]),
                                                              {"mode": "PERMISSIVE"})).alias(f"__k{i}"))
-    stage = framed.select(*decoded)
+    stage = debezium.prepare(framed.select(*decoded), layout.semantic)  # Debezium writers: our types, TOAST
     env_type = _envelope_type(layout.row)
     env = F.lit(None).cast(env_type)
     for i in reversed(layout.value_ids):
-        writer = schemas.spark_type(spark, i)
+        writer = stage.schema[f"__v{i}"].dataType
         env = F.when(F.col("__vid") == i, _normalize(F.col(f"__v{i}"), writer, layout, i)).otherwise(env)
     key = F.lit(None).cast(layout.key)
     for i in reversed(layout.key_ids):
-        key = F.when(F.col("__kid") == i, _conform(F.col(f"__k{i}"), schemas.spark_type(spark, i), layout.key)) \
-            .otherwise(key)
+        key = F.when(F.col("__kid") == i, _conform(F.col(f"__k{i}"), stage.schema[f"__k{i}"].dataType,
+                                                   layout.key)).otherwise(key)
     out = stage.select("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf", "__kid", "__vid",
                        key.alias("__key"), env.alias("__env"))
     known_v = F.col("__vid").isin(layout.value_ids) if layout.value_ids else F.lit(False)
@@ -961,10 +966,39 @@ def dead_letter_counts(spark: SparkSession, conf: dict) -> DataFrame:
         F.max("offset").alias("last_offset")).orderBy("topic", "reason")
 
 
-def silver(spark: SparkSession, conf: dict, table: str, include_deleted: bool = False) -> DataFrame:
-    """A silver table as a DataFrame (live rows only unless include_deleted)."""
+def table_spec(conf: dict, table: str) -> TableSpec:
+    """The configured table named 'schema.table' (or just 'table')."""
     spec = next((s for s in table_specs(conf) if s.qualified == table or s.name == table), None)
     if spec is None:
         raise MergeError(f"table {table} is not in source.tables ({', '.join(s.qualified for s in table_specs(conf))})")
-    frame = spark.read.format("delta").load(silver_path(conf, spec))
+    return spec
+
+
+def silver(spark: SparkSession, conf: dict, table: str, include_deleted: bool = False) -> DataFrame:
+    """A silver table as a DataFrame (live rows only unless include_deleted)."""
+    frame = spark.read.format("delta").load(silver_path(conf, table_spec(conf, table)))
     return frame if include_deleted else frame.filter(~F.col("_deleted"))
+
+
+def bronze(spark: SparkSession, conf: dict, table: str) -> DataFrame:
+    """A bronze change log as a DataFrame (every event and tombstone the merge received)."""
+    return spark.read.format("delta").load(bronze_path(conf, table_spec(conf, table)))
+
+
+def key_history(spark: SparkSession, conf: dict, table: str, key: dict) -> DataFrame:
+    """Bronze events and tombstones of one key (a dict of primary key fields) in the order they arrived,
+    each with its source position (commit_lsn, event_serial; ``position`` as text), transaction and commit time."""
+    frame = bronze(spark, conf, table)
+    fields = frame.schema["key"].dataType.fieldNames()
+    if sorted(key) != sorted(fields):
+        raise MergeError(f"key of {table} is ({', '.join(fields)}), not ({', '.join(key)}): pass every key field")
+    for name, value in key.items():
+        frame = frame.filter(F.col("key").getField(name) == F.lit(value))
+    lsn = _lsn_text(F.col("source.commit_lsn"))
+    return frame.orderBy("_batch_id", "_kafka_partition", "_kafka_offset").select(
+        "op", F.when(lsn.isNotNull(), F.format_string("(%s, %d)", lsn, F.col("source.event_serial"))).alias("position"),
+        F.col("source.commit_lsn").alias("commit_lsn"), lsn.alias("lsn"),
+        F.col("source.event_serial").alias("event_serial"), F.col("source.txId").cast("string").alias("tx_id"),
+        F.timestamp_millis(F.col("source.ts_ms")).alias("commit_ts"), F.col("_tombstone").alias("tombstone"),
+        "before", "after", "unchanged_cols", F.col("_kafka_partition").alias("partition"),
+        F.col("_kafka_offset").alias("offset"), F.col("_batch_id").alias("batch"))

@@ -120,3 +120,30 @@ def fetch_all(stack_dir: Path, log=print) -> dict[str, Path]:
             log(f"{name:9s} downloading into {where[name]} (log: {logs})")
             job()
     return where
+
+
+def connect_paths(stack_dir: Path) -> dict[str, Path]:
+    """Where the Kafka Connect worker and its plugins (Debezium interop only) are cached."""
+    plugins = stack_dir / "cache" / "connect-plugins"
+    return {"connect": stack_dir / "cache" / "connect-jars", "plugins": plugins,
+            "debezium": plugins / "debezium-postgres", "converter": plugins / "apicurio-converter"}
+
+
+def fetch_connect(stack_dir: Path, log=print) -> dict[str, Path]:
+    """Make sure the Connect worker, Debezium's PostgreSQL connector and Apicurio's converter are cached.
+
+    Not part of fetch_all: only the Debezium interop (lib/stack/connect.py, docs/debezium.md) needs them.
+    """
+    where = connect_paths(stack_dir)
+    logs = paths(stack_dir)["logs"]
+    m2 = paths(stack_dir)["m2"]
+    jobs = [("connect", "connect.xml", "the Kafka Connect worker jars"),
+            ("debezium", "debezium-postgres.xml", "Debezium's PostgreSQL connector"),
+            ("converter", "apicurio-converter.xml", "Apicurio's Avro converter for Kafka Connect")]
+    for name, pom, what in jobs:
+        if cached(where[name], (POMS / pom).read_text()):
+            log(f"{name:9s} cached in {where[name]}")
+        else:
+            log(f"{name:9s} downloading into {where[name]} (log: {logs})")
+            copy_dependencies(POMS / pom, where[name], m2, logs / f"fetch-{name}.log", what)
+    return where
