@@ -363,6 +363,7 @@ def read_event(plan: Plan, tup: tuple, tx: Tx, snapshot: str = "true") -> tuple[
 # converters: pgtypes.converter with fast paths for the ISO date/time texts of the capture session
 
 _DAYS: dict[str, int] = {}
+_SECONDS: dict[str, int] = {}
 
 
 def _days(text: str) -> int:
@@ -373,6 +374,15 @@ def _days(text: str) -> int:
             _DAYS.clear()
         days = _DAYS[text] = pgtypes.days_from_civil(int(text[:4]), int(text[5:7]), int(text[8:10]))
     return days
+
+
+def _second(text: str) -> int:
+    """Microseconds since 1970 of a checked 'YYYY-MM-DD HH:MM:SS', cached (rows of a second share it)."""
+    if len(_SECONDS) > 200_000:
+        _SECONDS.clear()
+    micros = _SECONDS[text] = (_days(text[:10]) * 86400 + int(text[11:13]) * 3600 + int(text[14:16]) * 60
+                               + int(text[17:19])) * 1_000_000
+    return micros
 
 
 def _is_plain_date(text: str) -> bool:
@@ -391,14 +401,18 @@ def fast_converter(column: Column, unknown_types: str = "error"):
     if t.schema != "pg_catalog" or t.kind != "base" or t.name not in ("date", "timestamp", "timestamptz"):
         return slow
     if t.name == "date":
-        def date(text, _slow=slow):
-            if text is not None and len(text) == 10 and _is_plain_date(text):
-                return _days(text)
+        def date(text, _slow=slow, _cached=_DAYS.get):
+            if text is not None:
+                days = _cached(text)  # only plain dates are cached
+                if days is not None:
+                    return days
+                if len(text) == 10 and _is_plain_date(text):
+                    return _days(text)
             return _slow(text)
         return date
     zone = t.name == "timestamptz"
 
-    def timestamp(text, _slow=slow, _zone=zone):
+    def timestamp(text, _slow=slow, _zone=zone, _cached=_SECONDS.get):
         if text is None:
             return None
         end = len(text)
@@ -406,16 +420,16 @@ def fast_converter(column: Column, unknown_types: str = "error"):
             if text[-3:] != "+00":
                 return _slow(text)
             end -= 3
-        if end < 19 or text[10] != " " or not _is_plain_date(text) or text[13] != ":" or text[16] != ":":
-            return _slow(text)
-        seconds = int(text[11:13]) * 3600 + int(text[14:16]) * 60 + int(text[17:19])
+        base = _cached(text[:19])  # only plain 'YYYY-MM-DD HH:MM:SS' prefixes are cached
+        if base is None:
+            if end < 19 or text[10] != " " or not _is_plain_date(text) or text[13] != ":" or text[16] != ":":
+                return _slow(text)
+            base = _second(text[:19])
         if end == 19:
-            micros = 0
-        elif text[19] == "." and end <= 26 and text[20:end].isdigit():
-            micros = int(text[20:end].ljust(6, "0"))
-        else:
-            return _slow(text)
-        return (_days(text[:10]) * 86400 + seconds) * 1_000_000 + micros
+            return base
+        if text[19] == "." and end <= 26 and text[20:end].isdigit():
+            return base + int(text[20:end].ljust(6, "0"))
+        return _slow(text)
     return timestamp
 
 
@@ -436,30 +450,34 @@ _BYTE = [bytes((i,)) for i in range(128)]
 _LAST2 = [bytes(((i & 0x7F) | 0x80, i >> 7)) if i >= 0x80 else b"" for i in range(0x4000)]  # 2 final bytes
 _MID2 = [bytes(((i & 0x7F) | 0x80, (i >> 7) | 0x80)) for i in range(0x4000)]  # 14 bits, more to come
 _SHORT = [None] * 65536  # varints of -32768..32767 (ids, lengths, dates): one list lookup
-_CACHE: dict[int, bytes] = {}  # recent large values (LSNs, commit times and positions repeat within a transaction)
+_HIGH: dict[int, bytes] = {}  # varints of z >> 28: the high bits of times and LSNs stay the same for minutes
 
 
 def _long(n: int) -> bytes:
     """Avro long: zig-zag varint."""
     if -64 <= n < 64:
         return _SMALL[n + 64]
-    cached = _CACHE.get(n)
-    if cached is not None:
-        return cached
     if not _LONG_MIN <= n <= _LONG_MAX:
         raise ValueError(f"{n} does not fit an Avro long")
     z = (n << 1) ^ (n >> 63)
-    parts = []
-    while z >= 0x4000:
-        parts.append(_MID2[z & 0x3FFF])
-        z >>= 14
-    parts.append(_LAST2[z] if z >= 0x80 else _BYTE[z])
-    out = b"".join(parts)
-    if len(out) > 2:  # worth remembering
-        if len(_CACHE) >= 8192:
-            _CACHE.clear()
-        _CACHE[n] = out
-    return out
+    if z < 0x4000:
+        return _LAST2[z]
+    if z < 0x10000000:
+        high = z >> 14
+        return _MID2[z & 0x3FFF] + (_LAST2[high] if high >= 0x80 else _BYTE[high])
+    high = z >> 28
+    tail = _HIGH.get(high)
+    if tail is None:
+        parts = []
+        rest = high
+        while rest >= 0x80:
+            parts.append(bytes(((rest & 0x7F) | 0x80,)))
+            rest >>= 7
+        parts.append(_BYTE[rest])
+        if len(_HIGH) >= 4096:
+            _HIGH.clear()
+        tail = _HIGH[high] = b"".join(parts)
+    return _MID2[z & 0x3FFF] + _MID2[(z >> 14) & 0x3FFF] + tail
 
 
 def _string(s: str) -> bytes:
