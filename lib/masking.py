@@ -68,13 +68,14 @@ import hmac
 from collections.abc import Iterable, Mapping
 
 from lib import config, secrets
+from lib import spark as spark_lib
 
 RULES = ("keep", "hash", "partial", "redact", "null", "drop")
 POLICY_KEYS = ("database", "default", "salt", "key_table", "key_location", "silver_table", "bronze_table", "tables")
 DEFAULT_DATABASE = "cdc_views"
 DEFAULT_KEY_TABLE = "cdc_private.masking_key"
 # the merge's bookkeeping columns in silver (layout contract): not masked; the clean view keeps _updated_at only
-SILVER_META = ("_commit_lsn", "_event_serial", "_op", "_deleted", "_deleted_at", "_updated_at")
+SILVER_META = ("_commit_lsn", "_event_serial", "_op", "_deleted", "_deleted_at", "_updated_at", "_unknown_cols")
 CLEAN_META = ("_updated_at",)
 # history columns taken from bronze: output name -> field path
 HISTORY_META = (("op", ("op",)), ("commit_ts", ("source", "ts_ms")), ("tx_id", ("source", "txId")),
@@ -424,6 +425,7 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
     tables defaults to conf's source.tables; a table whose silver (or bronze) Delta table
     does not exist yet gets `status: skipped` entries instead of views.
     """
+    persistent = spark_lib.require_catalog(spark)["catalog"] != "in-memory"  # a held local metastore: remedy
     policy = load_policy(conf, policy)
     tables = list(tables) if tables is not None else list(config.get(conf, "source.tables"))
     validate(policy, {table: None for table in tables})
@@ -435,7 +437,6 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
                       for table in tables})
     database = policy.get("database") or DEFAULT_DATABASE
     key_table = policy.get("key_table") or DEFAULT_KEY_TABLE
-    persistent = spark.conf.get("spark.sql.catalogImplementation", "in-memory") != "in-memory"
     results = [ensure_key(spark, conf, policy)] if uses_hash(policy) else []
     spark.sql(f"CREATE SCHEMA IF NOT EXISTS {quote_name(database)}")
     names = view_names(tables)
@@ -459,6 +460,20 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
             results.append({"kind": kind, "status": "created", "view": view, "table": table, "source": source,
                             "columns": columns, "persistent": persistent})
     return results
+
+
+def column_rules(spark, conf: dict, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
+    """Per table and silver column: type, rule, and whether the policy lists it (else the default applies)."""
+    policy = load_policy(conf, policy)
+    tables = list(tables) if tables is not None else list(config.get(conf, "source.tables"))
+    rows = []
+    for table in tables:
+        schema = _read_schema(spark, source_ref(conf, policy, "silver", table))
+        listed = (policy.get("tables") or {}).get(table) or {}
+        for field in _data_fields(schema) if schema is not None else []:
+            rows.append({"table": table, "column": field.name, "type": field.dataType.simpleString(),
+                         "rule": rule_for(policy, table, field.name), "listed": field.name in listed})
+    return rows
 
 
 def bronze_columns(schema) -> dict | None:

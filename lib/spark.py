@@ -1,10 +1,28 @@
-"""SparkSession for the pipeline: Databricks' own session, or a local one with Delta, Kafka and Avro."""
+"""SparkSession for the pipeline: Databricks' own session, or a local one with Delta, Kafka and Avro.
+
+Locally the catalog is Spark's Hive catalog over an embedded Derby metastore (conf/local.yml), so the
+analyst views of notebook 05 outlive the session. Embedded Derby admits one JVM at a time: the
+merge works on Delta paths and asks for ``catalog="in-memory"``, tests point at a metastore of their
+own (``with_metastore``), and ``require_catalog`` names the remedy when another driver holds it.
+"""
+import copy
+import fcntl
 import glob
 import os
+import re
 
 from pyspark.sql import SparkSession
 
 from lib import config
+
+CATALOG_KEY = "spark.sql.catalogImplementation"
+METASTORE_URL_KEY = "spark.hadoop.javax.jdo.option.ConnectionURL"
+JAVA_OPTIONS_KEY = "spark.driver.extraJavaOptions"
+DERBY_HOME_RE = re.compile(r"-Dderby\.system\.home=(\S+)")
+
+
+class CatalogError(RuntimeError):
+    """The session's catalog (metastore) cannot be opened."""
 
 
 def local_jars(jars_dir: str) -> list[str]:
@@ -36,11 +54,98 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
     return builder.getOrCreate()
 
 
-def from_conf(conf: dict) -> SparkSession:
-    """The session a target's conf describes (spark.app_name, spark.jars_dir, spark.settings)."""
-    settings = dict(config.get(conf, "spark.settings", {}) or {})
-    if "spark.sql.warehouse.dir" in settings:
-        settings["spark.sql.warehouse.dir"] = config.location(settings["spark.sql.warehouse.dir"])
+def derby_path(url: str) -> str | None:
+    """The database folder of an embedded Derby JDBC URL (jdbc:derby:;databaseName=X;... or jdbc:derby:X;...)."""
+    if not url.startswith("jdbc:derby:") or url.startswith("jdbc:derby://"):
+        return None
+    parts = url[len("jdbc:derby:"):].split(";")
+    named = [part.split("=", 1)[1] for part in parts[1:] if part.startswith("databaseName=")]
+    path = named[0] if named else parts[0]
+    return path if path and not path.startswith(("memory:", "classpath:", "jar:")) else None
+
+
+def resolve_locations(settings: dict) -> dict[str, str]:
+    """Settings as strings, with the relative local paths in them made absolute (under the project root):
+    spark.sql.warehouse.dir, the Derby metastore folder in the ConnectionURL and -Dderby.system.home."""
+    out = {key: str(value) for key, value in settings.items()}
+    if "spark.sql.warehouse.dir" in out:
+        out["spark.sql.warehouse.dir"] = config.location(out["spark.sql.warehouse.dir"])
+    path = derby_path(out.get(METASTORE_URL_KEY, ""))
+    if path:
+        out[METASTORE_URL_KEY] = out[METASTORE_URL_KEY].replace(path, config.location(path), 1)
+    if JAVA_OPTIONS_KEY in out:
+        out[JAVA_OPTIONS_KEY] = DERBY_HOME_RE.sub(lambda m: "-Dderby.system.home=" + config.location(m.group(1)),
+                                                  out[JAVA_OPTIONS_KEY])
+    return out
+
+
+def with_metastore(conf: dict, folder: str) -> dict:
+    """A copy of conf whose local session keeps its Hive metastore, warehouse and derby.log in folder
+    (tests and side processes: embedded Derby admits one Spark driver at a time)."""
+    out = copy.deepcopy(conf)
+    spark_conf = out.setdefault("spark", {})
+    settings = spark_conf["settings"] = dict(spark_conf.get("settings") or {})
+    folder = config.location(folder)
+    options = DERBY_HOME_RE.sub("", str(settings.get(JAVA_OPTIONS_KEY, ""))).strip()
+    settings.update({
+        CATALOG_KEY: "hive",
+        "spark.sql.warehouse.dir": os.path.join(folder, "warehouse"),
+        METASTORE_URL_KEY: f"jdbc:derby:;databaseName={os.path.join(folder, 'metastore_db')};create=true",
+        JAVA_OPTIONS_KEY: f"{options} -Dderby.system.home={folder}".strip(),
+    })
+    return out
+
+
+def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
+    """The session a target's conf describes (spark.app_name, spark.jars_dir, spark.settings).
+
+    catalog="in-memory" leaves the persistent metastore alone (for processes that only use Delta
+    paths, such as the merge); one session per process, so the first call decides.
+    """
+    settings = resolve_locations(dict(config.get(conf, "spark.settings", {}) or {}))
+    if catalog is not None:
+        if catalog not in ("hive", "in-memory"):
+            raise ValueError(f"catalog must be 'hive' or 'in-memory', not {catalog!r}")
+        settings[CATALOG_KEY] = catalog
+    home = DERBY_HOME_RE.search(settings.get(JAVA_OPTIONS_KEY, ""))
+    if home and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        os.makedirs(home.group(1), exist_ok=True)  # derby.log goes there
     jars_dir = config.get(conf, "spark.jars_dir", None)
     return session(config.get(conf, "spark.app_name", "cdc-pipeline"),
-                   config.location(jars_dir) if jars_dir else None, {k: str(v) for k, v in settings.items()})
+                   config.location(jars_dir) if jars_dir else None, settings)
+
+
+def derby_in_use(path: str) -> bool:
+    """True when another process holds the exclusive lock of an embedded Derby database folder."""
+    lock = os.path.join(path, "dbex.lck")
+    if not os.path.exists(lock):
+        return False
+    with open(lock, "a+b") as handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(handle, fcntl.LOCK_UN)
+    return False
+
+
+def require_catalog(spark: SparkSession) -> dict:
+    """Open the session's catalog now; returns its kind, metastore and warehouse. A local metastore that
+    another Spark driver holds raises CatalogError with the remedy."""
+    kind = spark.conf.get(CATALOG_KEY, "in-memory")
+    url = spark.conf.get(METASTORE_URL_KEY, None) if kind == "hive" else None
+    info = {"catalog": kind, "metastore": derby_path(url or "") or ("external" if url else None),  # no credentials
+            "warehouse": spark.conf.get("spark.sql.warehouse.dir", None)}
+    try:
+        spark.sql("SHOW DATABASES").collect()
+    except Exception as exc:
+        path = derby_path(url or "")
+        if kind != "hive" or not path:
+            raise
+        cause = "another process holds it" if derby_in_use(path) else "the Spark log above has the cause"
+        raise CatalogError(
+            f"the local Hive metastore {path} (embedded Derby: one Spark driver at a time) cannot be opened: {cause}. "
+            f"Stop the other driver (a notebook kernel that created views: in Jupyter Kernel > Shut Down; a job or "
+            f"test run) and run again, or give this process its own metastore (lib.spark.with_metastore, or "
+            f"{METASTORE_URL_KEY} in spark.settings)") from exc
+    return info

@@ -51,9 +51,11 @@ def pg_admin_dsn(live_stack, scratch_database) -> str:
 
 
 @pytest.fixture(scope="session")
-def spark_session(conf):
-    """A local Spark session with Delta, the Kafka source and Avro, as conf/local.yml sets it up."""
-    session = spark.from_conf(config.apply_overrides(conf, {"CDC__SPARK__APP_NAME": "cdc-tests"}))
+def spark_session(conf, tmp_path_factory):
+    """A local Spark session with Delta, the Kafka source and Avro, as conf/local.yml sets it up, with a
+    metastore of its own (embedded Derby admits one driver: notebooks use the shared one meanwhile)."""
+    test_conf = spark.with_metastore(conf, str(tmp_path_factory.mktemp("metastore")))
+    session = spark.from_conf(config.apply_overrides(test_conf, {"CDC__SPARK__APP_NAME": "cdc-tests"}))
     yield session
     session.stop()
 

@@ -287,6 +287,16 @@ def test_results_name_views_keys_and_skipped_tables(built):
     assert all(r["persistent"] == persistent for r in built["build2"] if r["status"] == "created")
 
 
+def test_column_rules_list_every_silver_column_with_its_rule(built):
+    rows = masking.column_rules(built["spark"], built["conf"], built["policy"], tables=[TABLE, "bank.accounts"])
+    rules = {row["column"]: (row["rule"], row["listed"]) for row in rows}
+    assert [row["column"] for row in rows][:3] == ["customer_id", "customer_uuid", "first_name"]
+    assert rules["email"] == ("partial", True) and rules["middle_name"] == ("null", True)
+    assert rules["passport_no"] == ("drop", False) and rules["preferences"] == ("drop", False)
+    assert not any(column.startswith("_") for column in rules)
+    assert {row["table"] for row in rows} == {TABLE}  # bank.accounts has no silver table
+
+
 def test_create_views_refuses_a_policy_column_the_table_lacks(built):
     policy = copy.deepcopy(built["policy"])
     policy["tables"][TABLE]["emial"] = "keep"

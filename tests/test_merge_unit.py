@@ -319,3 +319,16 @@ def test_summary_and_cleanup_of_old_tombstones(run):
     assert merge.cleanup_tombstones(run["spark"], run["conf"])["unit.items"] == 0  # younger than 168 h
     removed = merge.cleanup_tombstones(run["spark"], run["conf"], retention_hours=0)
     assert removed == {"unit.items": 4, "unit.evolve": 0, "unit.trunc": 2}
+
+
+def test_key_history_lists_one_keys_events_in_arrival_order_with_positions(run):
+    one = merge.key_history(run["spark"], run["conf"], "unit.items", {"id": 1}).collect()
+    assert [(r["op"], r["commit_lsn"], r["batch"]) for r in one] == [("u", 111, 0), ("r", 100, 0), ("u", 110, 0),
+                                                                      ("u", 105, 1)]
+    assert one[0]["after"]["name"] == "one-c" and one[0]["lsn"] == "0/6F" and one[1]["position"] == "(0/64, -1)"
+    four = merge.key_history(run["spark"], run["conf"], "items", {"id": 4}).collect()
+    assert [(r["op"], r["commit_lsn"], r["tombstone"]) for r in four] == [("c", 140, False), ("d", 141, False),
+                                                                          (None, None, True), (None, None, True)]
+    assert four[2]["position"] is None and four[2]["tx_id"] is None
+    with pytest.raises(merge.MergeError, match=r"key of unit.items is \(id\), not \(name\)"):
+        merge.key_history(run["spark"], run["conf"], "unit.items", {"name": "x"})

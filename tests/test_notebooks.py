@@ -19,9 +19,10 @@ def source(cell) -> str:
     return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
 
 
-def test_the_numbered_notebooks_exist():
+def test_the_five_notebooks_exist_in_order():
     names = [path.stem for path in NOTEBOOKS]
-    assert names and names[0] == "01_bootstrap_slot", names
+    assert names == ["01_bootstrap_slot", "02_snapshot", "03_stream_to_kafka", "04_merge_into_delta",
+                     "05_masking_views"], names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -32,6 +33,7 @@ def test_notebook_opens_with_title_and_explains_job_and_parameters(path):
     text = source(first)
     assert text.startswith("# "), "the first cell is a markdown H1 title"
     assert "job" in text.lower() and "parameters" in text.lower()
+    assert "**What you will learn**" in text and "```" in text, "the opening teaches, with a diagram"
     assert "**Next:**" in source(notebook["cells"][-1]) or path == NOTEBOOKS[-1]
 
 
@@ -47,6 +49,7 @@ def test_no_function_or_class_definitions_and_short_cells(path):
     for cell in code_cells(json.loads(path.read_text())):
         lines = source(cell).splitlines()
         assert not any(line.lstrip().startswith(("def ", "class ", "async def ")) for line in lines), source(cell)
+        assert "lambda" not in source(cell), f"a lambda helper: move it into lib/\n{source(cell)}"
         assert len(lines) <= 12, f"a code cell of {len(lines)} lines: move the logic into lib/"
 
 

@@ -1,0 +1,61 @@
+"""Spark settings from conf: local paths made absolute, a metastore per process, Derby's lock seen from outside."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from lib import config, spark
+
+
+def test_relative_warehouse_metastore_and_derby_home_become_absolute():
+    settings = spark.resolve_locations({
+        "spark.sql.warehouse.dir": ".stack/lake/warehouse",
+        spark.METASTORE_URL_KEY: "jdbc:derby:;databaseName=.stack/lake/_metastore/metastore_db;create=true",
+        spark.JAVA_OPTIONS_KEY: "-Xss4m -Dderby.system.home=.stack/lake/_metastore",
+        "spark.sql.shuffle.partitions": 4})
+    root = str(config.PROJECT_ROOT)
+    assert settings["spark.sql.warehouse.dir"] == f"{root}/.stack/lake/warehouse"
+    url = f"jdbc:derby:;databaseName={root}/.stack/lake/_metastore/metastore_db;create=true"
+    assert settings[spark.METASTORE_URL_KEY] == url
+    assert settings[spark.JAVA_OPTIONS_KEY] == f"-Xss4m -Dderby.system.home={root}/.stack/lake/_metastore"
+    assert settings["spark.sql.shuffle.partitions"] == "4"
+
+
+def test_absolute_paths_and_other_urls_stay_as_given():
+    given = {"spark.sql.warehouse.dir": "abfss://lake@acct.dfs.core.windows.net/warehouse",
+             spark.METASTORE_URL_KEY: "jdbc:postgresql://db:5432/metastore"}
+    assert spark.resolve_locations(given) == given
+    assert spark.derby_path("jdbc:derby:/abs/metastore_db;create=true") == "/abs/metastore_db"
+    assert spark.derby_path("jdbc:derby:memory:ms;create=true") is None
+    assert spark.derby_path("jdbc:derby://host:1527/ms") is None
+
+
+def test_with_metastore_gives_a_process_its_own_hive_metastore(tmp_path):
+    conf = {"spark": {"settings": {spark.JAVA_OPTIONS_KEY: "-Xss4m -Dderby.system.home=.stack/lake/_metastore"}}}
+    settings = spark.with_metastore(conf, str(tmp_path))["spark"]["settings"]
+    assert settings[spark.CATALOG_KEY] == "hive"
+    assert settings["spark.sql.warehouse.dir"] == f"{tmp_path}/warehouse"
+    assert spark.derby_path(settings[spark.METASTORE_URL_KEY]) == f"{tmp_path}/metastore_db"
+    assert settings[spark.JAVA_OPTIONS_KEY] == f"-Xss4m -Dderby.system.home={tmp_path}"
+    assert conf["spark"]["settings"] == {spark.JAVA_OPTIONS_KEY: "-Xss4m -Dderby.system.home=.stack/lake/_metastore"}
+
+
+def test_derby_in_use_sees_a_lock_held_by_another_process(tmp_path):
+    (tmp_path / "dbex.lck").write_bytes(b"")
+    assert not spark.derby_in_use(str(tmp_path))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys
+        handle = open({str(tmp_path / "dbex.lck")!r}, "a+b")
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print("locked", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert spark.derby_in_use(str(tmp_path))
+    finally:
+        holder.communicate("", timeout=30)
+    assert not spark.derby_in_use(str(tmp_path))
+    assert not spark.derby_in_use(str(tmp_path / "missing"))
