@@ -1,8 +1,9 @@
 """Reconcile silver with the source: row counts, an order-independent checksum and a sample of differing keys.
 
-For each table the source is read with psycopg2 on the driver (text forms under
-``pgtypes.SESSION_SETTINGS``, a server-side cursor read ``chunk_rows`` at a time, each value through
-``pgtypes.converter`` exactly as the capture converts it), loaded into a Spark DataFrame (chunks
+For each table the source is read with psycopg2 on the driver (each value as its type's output
+function writes it, which is what pgoutput sends (a cast to text differs for bool, char(n), inet, ...),
+under ``pgtypes.SESSION_SETTINGS``, a server-side cursor read ``chunk_rows`` at a time, each value
+through ``pgtypes.converter`` exactly as the capture converts it), loaded into a Spark DataFrame (chunks
 beyond the first are staged as parquet under ``<lake.root>/_reconcile/<schema>/<table>``, so the
 driver holds one chunk at a time), and compared in Spark with silver's live rows
 (``_deleted = false``; the merge's ``_`` columns left out).
@@ -72,7 +73,8 @@ def _source_frame(spark: SparkSession, conn, table: catalog.Table, fields: list[
     """The source table's rows in canonical form; staged as parquet when larger than one chunk."""
     convert = [pgtypes.converter(col, unknown_types) for col, _ in fields]
     query = sql.SQL("SELECT {} FROM {}.{}").format(
-        sql.SQL(", ").join(sql.SQL("({})::text").format(sql.Identifier(col.name)) for col, _ in fields),
+        sql.SQL(", ").join(sql.SQL("CASE WHEN {0} IS NULL THEN NULL ELSE format('%s', {0}) END").format(
+            sql.Identifier(col.name)) for col, _ in fields),
         sql.Identifier(table.schema), sql.Identifier(table.name))
     frame, staged = None, False
     with conn.cursor(name=f"reconcile_{uuid.uuid4().hex[:8]}") as cur:
