@@ -20,10 +20,9 @@ import threading
 import time
 import uuid
 
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
-from lib import config, sample_db, schema_registry, snapshot, source
+from lib import config, sample_db, snapshot, source, teardown
 
 WRITER_SQL = """
 CREATE OR REPLACE PROCEDURE public.bench_write(total bigint, tx_rows int, rate float8, tag text)
@@ -216,15 +215,5 @@ def cleanup(conf: dict, log=print) -> None:
     finally:
         admin.close()
         pipeline.close()
-    kafka = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
-    doomed = [t for t in kafka.list_topics(timeout=10).topics if t.startswith(prefix)]
-    for future in (kafka.delete_topics(doomed).values() if doomed else []):
-        with contextlib.suppress(Exception):
-            future.result(30)
-    registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+    doomed = teardown.delete_prefix(conf, prefix)
     log(f"cleanup: dropped database {database} and its {len(slots)} slot(s), {len(doomed)} topic(s) {prefix}*")

@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import sys
 
+from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
 from lib import config, control, monitor, schema_registry, service, source
@@ -187,3 +188,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def delete_prefix(conf: dict, prefix: str) -> list[str]:
+    """Delete every topic and registry subject whose name starts with prefix (test and benchmark clean-up)."""
+    kafka = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    doomed = [t for t in kafka.list_topics(timeout=10).topics if t.startswith(prefix)]
+    for future in (kafka.delete_topics(doomed).values() if doomed else []):
+        with contextlib.suppress(Exception):
+            future.result(30)
+    registry = schema_registry.client(conf)
+    for subject in registry.get_subjects():
+        if subject.startswith(prefix):
+            for permanent in (False, True):
+                with contextlib.suppress(Exception):
+                    registry.delete_subject(subject, permanent=permanent)
+    return doomed

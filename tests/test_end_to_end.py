@@ -11,7 +11,6 @@ shared cores. `pytest -s` prints each phase's time.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -24,12 +23,22 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from lib import bootstrap, config, merge, reconcile, schema_registry, snapshot, source, stack, stream, workload
+from lib import (
+    bootstrap,
+    config,
+    merge,
+    reconcile,
+    snapshot,
+    source,
+    stack,
+    stream,
+    teardown,
+    workload,
+)
 
 pytestmark = pytest.mark.stack
 
@@ -67,17 +76,7 @@ def e2e(live_stack, scratch_database, run_id, tmp_path_factory, drop_slot):
         cur.execute("DROP SCHEMA IF EXISTS bank CASCADE")
     admin.close()
     prefix = config.get(conf, "kafka.topic_prefix")
-    kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
-    doomed = [t for t in kafka_admin.list_topics(timeout=10).topics if t.startswith(prefix)]
-    for future in kafka_admin.delete_topics(doomed).values() if doomed else []:
-        with contextlib.suppress(Exception):
-            future.result(30)
-    registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+    teardown.delete_prefix(conf, prefix)
 
 
 class Workload(threading.Thread):

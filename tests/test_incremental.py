@@ -3,12 +3,10 @@ and to the other tables; after the merge, every table (the added one included) r
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
 import pytest
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
 from lib import (
@@ -19,10 +17,10 @@ from lib import (
     merge,
     reconcile,
     sample_db,
-    schema_registry,
     snapshot,
     source,
     stream,
+    teardown,
     workload,
 )
 
@@ -66,17 +64,7 @@ def incr(live_stack, run_id, drop_slot, tmp_path_factory):
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
     admin.close()
     prefix = config.get(conf, "kafka.topic_prefix")
-    kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
-    doomed = [t for t in kafka_admin.list_topics(timeout=10).topics if t.startswith(prefix)]
-    for future in kafka_admin.delete_topics(doomed).values() if doomed else []:
-        with contextlib.suppress(Exception):
-            future.result(30)
-    registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+    teardown.delete_prefix(conf, prefix)
 
 
 def with_added(conf: dict) -> dict:

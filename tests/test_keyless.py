@@ -3,13 +3,10 @@ by columns declared in source.keys (REPLICA IDENTITY FULL required), end to end 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
-from lib import bootstrap, catalog, config, control, peek, schema_registry, source, stream
+from lib import bootstrap, catalog, config, control, peek, source, stream, teardown
 from lib.catalog import CatalogError
 from lib.pgoutput import str_to_lsn
 
@@ -56,17 +53,7 @@ def kl(live_stack, scratch_database, run_id, drop_slot):
         cur.execute("DROP SCHEMA kl CASCADE")
     admin.close()
     prefix = config.get(conf, "kafka.topic_prefix")
-    kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
-    doomed = [t for t in kafka_admin.list_topics(timeout=10).topics if t.startswith(prefix)]
-    for future in kafka_admin.delete_topics(doomed).values() if doomed else []:
-        with contextlib.suppress(Exception):
-            future.result(30)
-    registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+    teardown.delete_prefix(conf, prefix)
 
 
 def test_no_key_is_refused_with_every_remedy(kl):

@@ -17,7 +17,6 @@ import threading
 import time
 
 import pytest
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
 from lib import (
@@ -28,7 +27,6 @@ from lib import (
     monitor,
     reconcile,
     sample_db,
-    schema_registry,
     service,
     snapshot,
     source,
@@ -84,17 +82,7 @@ def pipeline(live_stack, run_id, tmp_path_factory, drop_slot):
         service.stop(conf, timeout=20, log=quiet)
     drop_slot(conf, config.get(conf, "source.slot"))
     prefix = config.get(conf, "kafka.topic_prefix")
-    kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
-    doomed = [t for t in kafka_admin.list_topics(timeout=10).topics if t.startswith(prefix)]
-    for future in kafka_admin.delete_topics(doomed).values() if doomed else []:
-        with contextlib.suppress(Exception):
-            future.result(30)
-    registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+    teardown.delete_prefix(conf, prefix)
     with postgres.cursor() as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
     postgres.close()

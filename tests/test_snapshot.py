@@ -27,7 +27,19 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg2 import sql
 
-from lib import avro_schemas, catalog, config, control, pgtypes, sample_db, schema_registry, snapshot, source, workload
+from lib import (
+    avro_schemas,
+    catalog,
+    config,
+    control,
+    pgtypes,
+    sample_db,
+    schema_registry,
+    snapshot,
+    source,
+    teardown,
+    workload,
+)
 from lib import topics as topics_lib
 from lib.pgoutput import UNCHANGED_TOAST, Decoder
 
@@ -70,17 +82,7 @@ def snap_conf(live_stack, scratch_database, run_id):
     admin.commit()
     admin.close()
     prefix = f"cdc-test-{run_id}-snap"
-    kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
-    doomed = [t for t in kafka_admin.list_topics(timeout=10).topics if t.startswith(prefix)]
-    for future in kafka_admin.delete_topics(doomed).values() if doomed else []:
-        with contextlib.suppress(Exception):
-            future.result(30)
-    registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+    teardown.delete_prefix(conf, prefix)
 
 
 def drop_slots(conf: dict, prefix: str) -> None:
