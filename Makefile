@@ -86,7 +86,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check $(wildcard lib tests bench notebooks)
 
 test: sample lint  ## the whole suite against the running stack (notebooks under nbval)
-	$(PY) -m pytest tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
+	$(PY) -m pytest --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
 
 jupyter: up  ## JupyterLab on the notebooks, with the stack running
 	$(PY) -m jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
