@@ -69,11 +69,10 @@ def up(conf: dict, log=print) -> None:
     timeout = float(config.get(conf, "stack.start_timeout_s"))
     started = {name: module.start(conf, folder, log=log) for name, module in
                (("kafka", kafka), ("registry", registry))}
-    probes = {"kafka": (kafka.ready, kafka.files(folder)["log"]),
-              "registry": (registry.ready, registry.files(folder)["log"])}
-    for name, (probe, log_file) in probes.items():
+    probes = {"kafka": (kafka.ready, kafka.files(folder)), "registry": (registry.ready, registry.files(folder))}
+    for name, (probe, where) in probes.items():
         pid = started[name]
-        process.wait_ready(name, lambda probe=probe: probe(conf), timeout, log_file, pid)
+        process.wait_ready(name, lambda probe=probe: probe(conf), timeout, where["log"], pid, where["pid"])
         if pid:
             log(f"{name:9s} started on port {status_of(conf, name)['port']} (pid {pid})")
     log(f"stack     up in {time.monotonic() - began:.1f} s")

@@ -143,16 +143,26 @@ def reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def wait_ready(service: str, probe, timeout: float, log_file: Path, pid: int | None = None) -> None:
-    """Poll probe() until it returns True; fail naming the timeout and the log."""
+def wait_ready(service: str, probe, timeout: float, log_file: Path, pid: int | None = None,
+               pid_file: Path | None = None) -> None:
+    """Poll probe() until it returns True; fail naming the timeout and the log.
+
+    A process that exits during start-up has its pid_file removed, so the next start is not
+    refused for a stale pid file it did not leave.
+    """
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
         if pid is not None:
             reap(pid)
             if not pid_alive(pid):
-                raise StackError(f"{service} exited during start-up; its log is {log_file}",
-                                 details=tail(log_file, 15))
+                if pid_file is not None and read_pid(pid_file) == pid:
+                    pid_file.unlink(missing_ok=True)
+                details = tail(log_file, 15)
+                hint = (" (a port it needs was taken, perhaps briefly by another program's outgoing connection: "
+                        "run make up again, or choose ports below 32768 in conf/local.yml)"
+                        if "Address already in use" in tail(log_file, 200) else "")
+                raise StackError(f"{service} exited during start-up{hint}; its log is {log_file}", details=details)
         try:
             if probe():
                 return
