@@ -523,22 +523,28 @@ def _same(expected, got) -> bool:
     return expected == got and type(expected) is type(got)
 
 
+@contextlib.contextmanager
+def exported_snapshot(conf: dict):
+    """The name of a snapshot exported by an open REPEATABLE READ transaction, kept while in use."""
+    exporter = source.connect(conf)
+    exporter.autocommit = True
+    try:
+        with exporter.cursor() as cur:
+            cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT pg_export_snapshot()")
+            yield cur.fetchone()[0]
+    finally:
+        exporter.close()
+
+
 def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_session):
     """to_avro's bytes decode to exactly what pgtypes makes of pgoutput's text, for every mapped type."""
     table = every_type["snaptypes.every"]
     prefix = "cdc-test-types"
     key_schema, value_schema = avro_schemas.key_schema(table, prefix), avro_schemas.value_schema(table, prefix)
-    exporter = source.connect(snap_conf)
-    exporter.autocommit = True
-    with exporter.cursor() as cur:
-        cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT pg_export_snapshot()")
-        name = cur.fetchone()[0]
-    try:
+    with exported_snapshot(snap_conf) as name:
         rows, fields = snapshot.read_table(spark_session, snap_conf, table, name, {"rows": 4, "partitions": 1})
         encoded = snapshot.encode(rows, table, snap_conf, key_schema, value_schema, 7, 8, 12345, 1000, fields)
         messages = encoded.collect()
-    finally:
-        exporter.close()
     conn = raw_text_connection(snap_conf)
     expected = source_rows(conn, table)
     conn.close()
@@ -568,18 +574,11 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
 
 
 def test_multi_dimensional_array_fails_naming_the_column(snap_conf, every_type, spark_session):
-    exporter = source.connect(snap_conf)
-    exporter.autocommit = True
-    with exporter.cursor() as cur:
-        cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT pg_export_snapshot()")
-        name = cur.fetchone()[0]
-    try:
+    with exported_snapshot(snap_conf) as name:
         rows, _ = snapshot.read_table(spark_session, snap_conf, every_type["snaptypes.multi"], name,
                                       {"rows": 2, "partitions": 1})
         with pytest.raises(Exception) as failure:
             rows.collect()
-    finally:
-        exporter.close()
     error = snapshot._read_failed(every_type["snaptypes.multi"], failure.value)
     assert "snaptypes.multi.a holds a multi-dimensional array" in str(error)
 

@@ -156,19 +156,8 @@ def write_config(conf: dict, stack_dir: Path, where: dict[str, Path], port: int)
     where["base"].mkdir(parents=True, exist_ok=True)
     where["worker"].write_text(_properties(worker))
     where["connector"].write_text(_properties(connector_config(conf)))
-    where["log4j"].write_text(
-        "status = warn\n"
-        "appender.console.type = Console\n"
-        "appender.console.name = console\n"
-        "appender.console.layout.type = PatternLayout\n"
-        "appender.console.layout.pattern = [%d] %p %m (%c)%n\n"
-        "rootLogger.level = WARN\n"
-        "rootLogger.appenderRef.console.ref = console\n"
-        "logger.debezium.name = io.debezium\n"
-        "logger.debezium.level = INFO\n"
-        "logger.connect.name = org.apache.kafka.connect.runtime.Worker\n"
-        "logger.connect.level = INFO\n"
-    )
+    where["log4j"].write_text(process.console_log4j2("WARN", {"io.debezium": "INFO",
+                                                             "org.apache.kafka.connect.runtime.Worker": "INFO"}))
 
 
 def _properties(values: dict) -> str:

@@ -68,19 +68,7 @@ def write_config(conf: dict, where: dict[str, Path]) -> None:
     }
     where["base"].mkdir(parents=True, exist_ok=True)
     where["properties"].write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
-    where["log4j"].write_text(
-        "status = warn\n"
-        "appender.console.type = Console\n"
-        "appender.console.name = console\n"
-        "appender.console.layout.type = PatternLayout\n"
-        "appender.console.layout.pattern = [%d] %p %m (%c)%n\n"
-        "rootLogger.level = INFO\n"
-        "rootLogger.appenderRef.console.ref = console\n"
-        "logger.kafka.name = kafka\n"
-        "logger.kafka.level = WARN\n"
-        "logger.apache.name = org.apache.kafka\n"
-        "logger.apache.level = WARN\n"
-    )
+    where["log4j"].write_text(process.console_log4j2("INFO", {"kafka": "WARN", "org.apache.kafka": "WARN"}))
 
 
 def classpath(stack_dir: Path) -> str:

@@ -187,3 +187,13 @@ def tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return f"({path} does not exist)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def console_log4j2(root_level: str, loggers: dict[str, str]) -> str:
+    """A log4j2.properties that prints to the console at root_level, with {logger name: level} overrides."""
+    lines = ["status = warn", "appender.console.type = Console", "appender.console.name = console",
+             "appender.console.layout.type = PatternLayout", "appender.console.layout.pattern = [%d] %p %m (%c)%n",
+             f"rootLogger.level = {root_level}", "rootLogger.appenderRef.console.ref = console"]
+    for i, (name, level) in enumerate(loggers.items()):
+        lines += [f"logger.l{i}.name = {name}", f"logger.l{i}.level = {level}"]
+    return "\n".join(lines) + "\n"
