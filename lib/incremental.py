@@ -21,6 +21,12 @@ last key, rows, chunks), written after Kafka acknowledged the chunk's events; a 
 capture resumes from the last key. Needs PostgreSQL 14 or later (logical messages in
 pgoutput) and one free replication slot and WAL sender while a chunk is read.
 
+``add_table`` also points the local continuous mode (lib/service.py) at the new conf: when a
+service runs, its conf.json is rewritten (a restarted capture must know the table), and a running
+merge service is restarted, since a Kafka query subscribes only to the topics of the conf it
+started with; from its checkpoint it reads the new topic from the start. A merge running
+elsewhere (a notebook's query, the Databricks job ``cdc_merge``) must be restarted by hand.
+
 Operators: a re-snapshot refreshes every row of the table but does not remove keys that
 Kafka and silver hold and the source no longer has (only notebook 02's full snapshot
 retracts those).
@@ -36,7 +42,7 @@ import time
 import psycopg2
 from psycopg2 import sql
 
-from lib import bootstrap, catalog, config, control, source
+from lib import avro_schemas, bootstrap, catalog, config, control, service, source
 from lib.pgtypes import session_options
 
 WATERMARK_PREFIX = "cdc-chunk"
@@ -137,7 +143,32 @@ def add_table(conf: dict, name: str, log=print) -> dict:
     record = request(conf, table, "added", state="ready")
     log(f"incremental {table.qualified}: publication {publication} {'had' if published else 'now has'} it, "
         f"{len(topics) - 1} topic(s) checked, {len(subjects)} subject(s) registered; snapshot requested")
+    update_services(conf, table.qualified, avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), table),
+                    log)
     return record
+
+
+def update_services(conf: dict, table: str, topic: str, log=print) -> bool:
+    """Give the local services conf (with the added table); restart a running merge service. True if restarted.
+
+    The running capture learns the table from its request; the merge subscribes only to the topics
+    of the conf it started with, so it must start again (from its checkpoint) to merge the table.
+    """
+    states = {row["service"]: row["state"] for row in service.status(conf)}
+    if "running" in states.values():
+        service.write_conf(conf)  # what a capture restarted by its keeper reads
+    if states.get("merge") != "running":
+        log(f"incremental {table}: no merge service runs here; a merge running elsewhere (a notebook's query, the "
+            f"Databricks job cdc_merge) reads only the topics of the conf it started with: restart it with this conf "
+            f"to merge {topic} (it resumes from its checkpoint and reads the new topic from its start)")
+        return False
+    try:
+        pid = service.restart(conf, "merge", log=lambda line: log(f"incremental {table}: {line.strip()}"))
+    except service.ServiceError as exc:
+        raise IncrementalError(f"{table} was added and its snapshot requested, but restarting the merge service so it "
+                               f"reads {topic} failed: {exc}") from exc
+    log(f"incremental {table}: merge service restarted with this conf (keeper pid {pid}); it now merges {topic}")
+    return True
 
 
 def resnapshot_table(conf: dict, name: str, log=print) -> dict:

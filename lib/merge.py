@@ -804,6 +804,8 @@ def kafka_options(conf: dict) -> dict[str, str]:
         "kafka.bootstrap.servers": str(config.get(conf, "kafka.bootstrap_servers")),
         # the control topic too: a truncate alone (no later change) must still start a micro-batch
         "subscribe": ",".join([spec.topic for spec in table_specs(conf)] + [control.topic(conf)]),
+        # only for a new checkpoint: on a reused one Spark resumes from it and reads a topic added to conf since
+        # (lib.incremental add) from its earliest offset (tests/test_incremental.py)
         "startingOffsets": "earliest",
         "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger", DEFAULT_MAX_OFFSETS))),
         "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss", True))).lower(),

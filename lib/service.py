@@ -1,12 +1,14 @@
 """Continuous mode: the capture (slot -> Kafka) and the merge (Kafka -> Delta) as long-running processes.
 
-``start(conf)`` (``make run``, ``python -m lib.service start``) launches both as detached processes
-and returns; ``stop(conf)`` (``make stop``) sends SIGTERM and waits: the capture flushes Kafka and
-acknowledges what Kafka acknowledged, the merge stops its query between micro-batches (waiting up
-to ``service.stop_grace_s`` for a running one). ``state(conf, name)`` tells
-running / stopped / crashed. A notebook cell can call the same functions.
+``start(conf)`` (``make run``, ``python -m lib.service start``) launches one detached *keeper* per
+service and returns; ``stop(conf)`` (``make stop``) sends SIGTERM to the keepers and waits: each
+forwards it to its service, the capture flushes Kafka and acknowledges what Kafka acknowledged, the
+merge stops its query between micro-batches (waiting up to ``service.stop_grace_s`` for a running
+one). ``state(conf, name)`` tells running / stopped / crashed and how often the keeper restarted it.
+A notebook cell can call the same functions.
 
-Each process runs ``python -m lib.service run capture|merge``, the same entry point the bundle's
+Each keeper (``python -m lib.service keep capture|merge``; its pid is in the pid file) runs the
+service as its child, ``python -m lib.service run capture|merge``, the same entry point the bundle's
 continuous Databricks jobs call:
 
 - **capture**: ``lib.stream.run(conf, until="forever")``;
@@ -14,16 +16,24 @@ continuous Databricks jobs call:
   started again when Spark stops the query after batches went through (see ``merge.run_until_caught_up``),
   up to ``service.merge_restarts`` times in a row without progress; a failing micro-batch stops it.
 
-Both append a metrics record every ``service.metrics_interval_s`` to the history ``lib.monitor``
-reads. Files live in ``<service.dir>/<slot>/``: ``<name>.pid``, ``<name>.log``,
-``<name>.metrics.jsonl`` and ``conf.json`` (the conf the processes run with: names and secret
-references only, never secret values).
+**A crashed service comes back by itself.** When the child exits with a non-zero code or is killed
+by a signal the keeper did not send, the keeper logs the exit and starts it again after
+``service.restart_backoff_s`` (doubled for each failure within the window, at most 60 s). After more
+than ``service.max_restarts`` failures within ``service.restart_window_s`` it gives up: the state is
+``crashed`` and the log's last line names the last exit and the child's last error. A child that
+exits with code 0 by itself is not restarted. The child gets SIGTERM if its keeper dies (Linux
+``PR_SET_PDEATHSIG``), so a killed keeper leaves no orphan holding the slot.
 
-**Restart after a crash resumes where it left off**: the capture from the slot's confirmed position
+Both services append a metrics record every ``service.metrics_interval_s`` to the history ``lib.monitor``
+reads. Files live in ``<service.dir>/<slot>/``: ``<name>.pid`` (the keeper), ``<name>.keeper.json``
+(child pid, restarts, last exit), ``<name>.log``, ``<name>.metrics.jsonl`` and ``conf.json`` (the conf
+the processes run with: names and secret references only, never secret values; a restarted child
+reads it again).
+
+**A restart resumes where it left off**: the capture from the slot's confirmed position
 (at-least-once; duplicates carry their source position), the merge from its checkpoint (Delta
-commits are idempotent per micro-batch). ``start`` notices a pid file whose process died and starts
-it again. There is no supervisor locally: ``make status`` warns about a dead service. On Databricks
-the continuous jobs restart failed runs.
+commits are idempotent per micro-batch). ``start`` notices a keeper that died (or gave up) and
+starts it again. On Databricks the continuous jobs restart failed runs.
 
 **Operators: a stopped capture keeps WAL on the source until it runs again. To stop for good, run
 ``make teardown`` after ``make stop`` (it drops the slot).**
@@ -32,10 +42,12 @@ the continuous jobs restart failed runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -47,9 +59,14 @@ from lib.stack import process
 SERVICES = ("capture", "merge")
 DEFAULT_MERGE_INTERVAL = "10 seconds"
 DEFAULT_MERGE_RESTARTS = 3
+DEFAULT_MAX_RESTARTS = 5
+DEFAULT_RESTART_WINDOW_S = 600.0
+DEFAULT_RESTART_BACKOFF_S = 2.0
+MAX_BACKOFF_S = 60.0
 STOP_TIMEOUT_S = 90.0
 STOP_GRACE_S = 45.0  # how long the merge waits for a running micro-batch to finish before stopping
 START_CHECK_S = 3.0
+PR_SET_PDEATHSIG = 1
 
 
 class ServiceError(RuntimeError):
@@ -61,10 +78,11 @@ class ServiceError(RuntimeError):
 
 
 def files(conf: dict, name: str) -> dict[str, Path]:
-    """pid file, log file and metrics history of a service."""
+    """pid file (the keeper's), keeper record, log file and metrics history of a service."""
     _check_name(name)
     folder = monitor.service_dir(conf)
-    return {"pid": folder / f"{name}.pid", "log": folder / f"{name}.log", "metrics": monitor.metrics_path(conf, name)}
+    return {"pid": folder / f"{name}.pid", "keeper": folder / f"{name}.keeper.json", "log": folder / f"{name}.log",
+            "metrics": monitor.metrics_path(conf, name)}
 
 
 def _check_name(name: str) -> None:
@@ -76,22 +94,55 @@ def _marker(name: str) -> str:
     return f"lib.service run {name}"
 
 
+def _is_service(pid: int | None, name: str) -> bool:
+    """True when pid is a live keeper of the service (or a service process started without one)."""
+    if not pid or not process.pid_alive(pid):
+        return False
+    command = process.cmdline(pid)
+    return f"lib.service keep {name}" in command or _marker(name) in command
+
+
+def keeper_record(conf: dict, name: str, keeper_pid: int | None = None) -> dict:
+    """What the keeper last wrote (child, restarts, last_exit, last_error); {} if none or another keeper's."""
+    try:
+        record = json.loads(files(conf, name)["keeper"].read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if keeper_pid is None or record.get("keeper") == keeper_pid else {}
+
+
 def state(conf: dict, name: str) -> dict:
-    """{service, state: running|stopped|crashed, pid, log, last_line}; crashed = pid file of a dead process."""
+    """{service, state: running|stopped|crashed, pid (keeper), child, restarts, log, last_line}.
+
+    crashed = a pid file whose keeper died or gave up after service.max_restarts failures.
+    """
     paths = files(conf, name)
     pid = process.read_pid(paths["pid"])
-    row = {"service": name, "state": "stopped", "pid": pid, "log": str(paths["log"]), "last_line": None}
+    row = {"service": name, "state": "stopped", "pid": pid, "child": None, "restarts": 0, "log": str(paths["log"]),
+           "last_line": None}
     if pid is None:
         return row
     process.reap(pid)  # our own child that died would otherwise look alive (a zombie)
-    if process.pid_alive(pid) and _marker(name) in process.cmdline(pid):
+    record = keeper_record(conf, name, pid)
+    row["restarts"] = int(record.get("restarts") or 0)
+    if _is_service(pid, name):
         row["state"] = "running"
+        child = record.get("child")
+        row["child"] = child if child and process.pid_alive(child) and _marker(name) in process.cmdline(child) \
+            else None
     else:
         row["state"] = "crashed"
-        lines = [line for line in process.tail(paths["log"], 30).splitlines() if line.strip()]
-        errors = [line for line in lines if "error" in line.lower()]
-        row["last_line"] = (errors or lines or [None])[-1]
+        row["last_line"] = _last_error_line(paths["log"])
     return row
+
+
+def _last_error_line(log_file: Path, keeper_lines: bool = True) -> str | None:
+    """The log's last line that mentions an error, else its last line (keeper lines left out if asked)."""
+    lines = [line for line in process.tail(log_file, 30).splitlines() if line.strip()]
+    if not keeper_lines:
+        lines = [line for line in lines if not line.startswith("=== ")]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [None])[-1]
 
 
 def status(conf: dict) -> list[dict]:
@@ -132,8 +183,19 @@ def write_conf(conf: dict) -> Path:
     return path
 
 
+def restart_policy(conf: dict) -> dict:
+    """service.max_restarts, restart_window_s and restart_backoff_s (with defaults)."""
+    return {"max_restarts": int(config.get(conf, "service.max_restarts", DEFAULT_MAX_RESTARTS)),
+            "window_s": float(config.get(conf, "service.restart_window_s", DEFAULT_RESTART_WINDOW_S)),
+            "backoff_s": float(config.get(conf, "service.restart_backoff_s", DEFAULT_RESTART_BACKOFF_S))}
+
+
 def start(conf: dict, services: tuple[str, ...] = SERVICES, log=print) -> dict[str, int]:
-    """Start the services that do not run (a crashed one again); returns {name: pid}. Refuses before the snapshot."""
+    """Start the keepers of the services that do not run (a crashed one again); returns {name: keeper pid}.
+
+    Refuses before the snapshot. A service whose child fails within START_CHECK_S raises ServiceError
+    naming its error; its keeper goes on retrying per service.max_restarts until stopped.
+    """
     if runtime.on_databricks():
         raise ServiceError("on Databricks the continuous mode runs as the bundle's jobs cdc_capture and cdc_merge "
                            "(bundle.yml): `databricks bundle run -t <target> cdc_capture` and `... cdc_merge`")
@@ -141,7 +203,7 @@ def start(conf: dict, services: tuple[str, ...] = SERVICES, log=print) -> dict[s
         _check_name(name)
     require_snapshot(conf)
     conf_file = write_conf(conf)
-    started = {}
+    started, launched = {}, []
     for name in services:
         paths = files(conf, name)
         row = state(conf, name)
@@ -149,26 +211,62 @@ def start(conf: dict, services: tuple[str, ...] = SERVICES, log=print) -> dict[s
             log(f"{name:9s} already running (pid {row['pid']})")
             started[name] = row["pid"]
             continue
+        launched.append(name)
         if row["state"] == "crashed":
             log(f"{name:9s} was not stopped cleanly (pid {row['pid']} is gone; last log line: {row['last_line']}); "
                 f"starting it again: it resumes where it left off")
+            _stop_leftover_child(conf, name, row["pid"], log)
             paths["pid"].unlink(missing_ok=True)
+        paths["keeper"].unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "lib.service", "run", name, "--conf", str(conf_file)]
+        command = [sys.executable, "-m", "lib.service", "keep", name, "--conf", str(conf_file)]
         with open(paths["log"], "a") as handle:
             handle.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} start {name}\n")
         started[name] = process.start(command, paths["log"], paths["pid"], env=env, cwd=config.PROJECT_ROOT)
     deadline = time.monotonic() + START_CHECK_S
     while time.monotonic() < deadline:  # a wrong setting usually fails at once: say so here, not only in the log
         time.sleep(0.25)
-        dead = [state(conf, name) for name in started if state(conf, name)["state"] == "crashed"]
-        if dead:
-            row = dead[0]
-            raise ServiceError(f"the {row['service']} service exited right after starting: {row['last_line']}; "
-                               f"see {row['log']}")
+        for name in launched:
+            row, record = state(conf, name), keeper_record(conf, name, started[name])
+            if row["state"] == "crashed":
+                raise ServiceError(f"the {name} service exited right after starting: {row['last_line']}; "
+                                   f"see {row['log']}")
+            if record.get("last_exit"):
+                policy = restart_policy(conf)
+                raise ServiceError(
+                    f"the {name} service failed right after starting ({record['last_exit']}): "
+                    f"{record.get('last_error') or 'no error line'}; its keeper (pid {started[name]}) starts it again "
+                    f"up to service.max_restarts={policy['max_restarts']} times within service.restart_window_s="
+                    f"{policy['window_s']:.0f} s, then leaves it crashed: fix the cause, then `make stop` and "
+                    f"`make run`; see {row['log']}")
     for name, pid in started.items():
-        log(f"{name:9s} running (pid {pid}), log {files(conf, name)['log']}")
+        log(f"{name:9s} running (keeper pid {pid}), log {files(conf, name)['log']}")
     return started
+
+
+def _stop_leftover_child(conf: dict, name: str, keeper_pid: int | None, log) -> None:
+    """Stop a child whose keeper died, so two captures never share a slot (nor two merges a checkpoint)."""
+    child = keeper_record(conf, name, keeper_pid).get("child")
+    if child and process.pid_alive(child) and _marker(name) in process.cmdline(child):
+        log(f"{name:9s} the previous process (pid {child}) still runs without its keeper: stopping it first")
+        process.stop(child, timeout=STOP_TIMEOUT_S)
+
+
+def _stop_keeper(pid: int, timeout: float) -> None:
+    """SIGTERM to the keeper (it forwards it to its child and waits); after timeout SIGKILL to its process group."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.reap(pid)
+        if not process.pid_alive(pid):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # the keeper started its own session: the child and Spark's JVM too
+    process.reap(pid)
 
 
 def stop(conf: dict, services: tuple[str, ...] = SERVICES, timeout: float = STOP_TIMEOUT_S, log=print) -> None:
@@ -177,11 +275,116 @@ def stop(conf: dict, services: tuple[str, ...] = SERVICES, timeout: float = STOP
         paths = files(conf, name)
         row = state(conf, name)
         if row["state"] == "running":
-            process.stop(row["pid"], timeout=timeout)
+            _stop_keeper(row["pid"], timeout)
             log(f"{name:9s} stopped")
         elif row["state"] == "crashed":
+            _stop_leftover_child(conf, name, row["pid"], log)
             log(f"{name:9s} was not running (pid {row['pid']} had died); pid file removed")
         paths["pid"].unlink(missing_ok=True)
+
+
+def restart(conf: dict, name: str, log=print) -> int | None:
+    """Stop and start one service when it runs (e.g. so the merge subscribes to a table added to conf); else None."""
+    if state(conf, name)["state"] != "running":
+        return None
+    stop(conf, (name,), log=log)
+    return start(conf, (name,), log=log)[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the keeper: runs one service as its child and starts it again when it crashes
+
+
+def _describe_exit(code: int) -> str:
+    """'exit code 1' or 'signal 9 (SIGKILL)' from a Popen return code."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def _parent_death_signal():
+    """A preexec_fn that has the kernel SIGTERM the child when the keeper dies (Linux); None elsewhere."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def keep(name: str, conf_file: str, log=print) -> int:
+    """Run `lib.service run <name>` as a child until stopped (SIGTERM), restarting it when it crashes.
+
+    Returns 0 when stopped or when the child exited with code 0 by itself, 1 after giving up.
+    """
+    _check_name(name)
+    conf = load_conf(None, conf_file)
+    paths, policy = files(conf, name), restart_policy(conf)
+    stopping = threading.Event()
+    child: list[subprocess.Popen] = []
+
+    def forward(*_args) -> None:
+        stopping.set()
+        if child and child[0].returncode is None:  # not reaped yet, so the pid is still the child's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child[0].pid, signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    command = [sys.executable, "-m", "lib.service", "run", name, "--conf", conf_file]
+    failures: list[float] = []
+    restarts, last_exit, last_error = 0, None, None
+    preexec = _parent_death_signal()
+    stamp = lambda: time.strftime("%Y-%m-%d %H:%M:%S")  # noqa: E731
+    while not stopping.is_set():
+        child[:] = [subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=preexec, cwd=config.PROJECT_ROOT)]
+        if stopping.is_set():  # SIGTERM came while starting it
+            forward()
+        _write_keeper_record(paths["keeper"], {"keeper": os.getpid(), "child": child[0].pid, "restarts": restarts,
+                                               "last_exit": last_exit, "last_error": last_error})
+        if restarts:
+            log(f"=== {stamp()} keeper: {name} started again (pid {child[0].pid}, restart {restarts})")
+        code = child[0].wait()
+        if stopping.is_set():
+            log(f"=== {stamp()} keeper: {name} stopped ({_describe_exit(code)})")
+            return 0
+        if code == 0:
+            log(f"=== {stamp()} keeper: {name} (pid {child[0].pid}) exited with code 0 by itself; not restarted")
+            if process.read_pid(paths["pid"]) == os.getpid():
+                paths["pid"].unlink(missing_ok=True)
+            return 0
+        now = time.monotonic()
+        failures = [t for t in failures if now - t < policy["window_s"]] + [now]
+        last_exit, last_error = _describe_exit(code), _last_error_line(paths["log"], keeper_lines=False)
+        _write_keeper_record(paths["keeper"], {"keeper": os.getpid(), "child": None, "restarts": restarts,
+                                               "last_exit": last_exit, "last_error": last_error})
+        if len(failures) > policy["max_restarts"]:
+            log(f"=== {stamp()} keeper: error: {name} failed {len(failures)} times within "
+                f"service.restart_window_s={policy['window_s']:.0f} s (service.max_restarts="
+                f"{policy['max_restarts']}), giving up; last exit: {last_exit}; last error: "
+                f"{last_error or 'none logged'}. Fix the cause, then `make run` (service.start) starts it again "
+                f"from where it left off")
+            return 1
+        delay = min(policy["backoff_s"] * 2 ** (len(failures) - 1), MAX_BACKOFF_S)
+        restarts += 1
+        log(f"=== {stamp()} keeper: {name} (pid {child[0].pid}) ended with {last_exit}; restart {restarts} "
+            f"({len(failures)} of {policy['max_restarts']} within {policy['window_s']:.0f} s) in {delay:.1f} s")
+        deadline = time.monotonic() + delay
+        while not stopping.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    log(f"=== {stamp()} keeper: {name} stopped")
+    return 0
+
+
+def _write_keeper_record(path: Path, record: dict) -> None:
+    """Replace the keeper record atomically (state() may read it at any moment)."""
+    part = path.with_name(path.name + ".tmp")
+    part.write_text(json.dumps(record))
+    part.replace(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,7 +613,11 @@ def parser() -> argparse.ArgumentParser:
                        ("stop", "stop them (make stop)"), ("status", "state of each service")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("services", nargs="*", metavar="SERVICE", help=f"{' and/or '.join(SERVICES)} (default: both)")
-    run = commands.add_parser("run", help="run one service in the foreground (what start launches; Databricks jobs)")
+    keeper = commands.add_parser("keep", help="run one service as a child, restarting it when it crashes (what "
+                                              "start launches)")
+    keeper.add_argument("service", choices=SERVICES)
+    keeper.add_argument("--conf", required=True, help="a conf.json written by start")
+    run = commands.add_parser("run", help="run one service in the foreground (what the keeper runs; Databricks jobs)")
     run.add_argument("service", choices=SERVICES)
     run.add_argument("--target", dest="run_target", default=None, help="conf/<target>.yml")
     run.add_argument("--conf", default=None, help="a conf.json written by start (instead of --target)")
@@ -419,13 +626,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m lib.service {start,stop,status,run} ...; errors are one line with the cause and the remedy."""
+    """python -m lib.service {start,stop,status,keep,run} ...; errors are one line with the cause and the remedy."""
     cli = parser()
     args = cli.parse_args(argv)
     unknown = [name for name in getattr(args, "services", []) if name not in SERVICES]
     if unknown:
         cli.error(f"unknown service {unknown[0]!r}: choose from {', '.join(SERVICES)}")
     try:
+        if args.command == "keep":
+            return keep(args.service, args.conf, log=lambda line: print(line, flush=True))
         if args.command == "run":
             conf = load_conf(args.run_target or args.target, args.conf)
             log = lambda line: print(line, flush=True)  # noqa: E731
@@ -448,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for row in status(conf):
                 if row["service"] in chosen:
-                    print(f"{row['service']:9s} {row['state']:9s} pid {str(row['pid'] or '-'):>7s}  log {row['log']}"
+                    print(f"{row['service']:9s} {row['state']:9s} pid {str(row['pid'] or '-'):>7s}  "
+                          f"restarts {row['restarts']}  log {row['log']}"
                           + (f"\n          last line: {row['last_line']}" if row["last_line"] else ""))
     except Exception as exc:  # noqa: BLE001 - one line, exit 1
         print(f"{cli.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
 """Adding a table to a running pipeline: the capture snapshots it in chunks while the workload writes to it
-and to the other tables; after the merge, every table (the added one included) reconciles exactly."""
+and to the other tables; the merge, which ran on the initial tables before, runs again on the same checkpoint
+with the conf that lists the added table, and every table (the added one included) reconciles exactly."""
 
 from __future__ import annotations
 
@@ -102,6 +103,9 @@ def test_chunk_query_reads_after_the_last_key_in_key_order(incr):
 
 def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_session):
     snapshot.run(incr, spark_session, progress=lambda line: None)
+    before = merge.run_until_caught_up(incr, spark_session)  # the initial tables: the checkpoint knows their topics
+    assert before["batches"] >= 1
+    assert {r["table"] for r in merge.summary(spark_session, incr).collect()} == set(config.get(incr, "source.tables"))
     lines: list[str] = []
     stop = threading.Event()
     capture: dict = {}
@@ -134,8 +138,12 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
     assert state["chunks"] >= 2, state
     assert any(line.startswith(f"incremental {ADDED}: chunk") for line in lines)
 
+    assert any(line.startswith(f"incremental {ADDED}: no merge service runs here") for line in lines), lines[-20:]
+
     stream.run(added, until="caught_up")  # what the workload wrote last, with the conf that lists the table
-    merge.run_until_caught_up(added, spark_session)
+    assert merge.query_name(added) == merge.query_name(incr)  # same lake root, same checkpoint: a restarted merge
+    after = merge.run_until_caught_up(added, spark_session)
+    assert after["batches"] >= 1
     results = reconcile.reconcile(added, spark_session)
     unequal = [r for r in results if not r["equal"]]
     assert not unequal, unequal
