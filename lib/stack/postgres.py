@@ -181,6 +181,8 @@ def ensure_roles(conf: dict, where: dict[str, Path]) -> None:
                         sql.Identifier(database), sql.Identifier(owner)))
             cur.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
                 sql.Identifier(config.get(conf, "source.database")), sql.Identifier(pipeline)))
+            # locally the admin may end the pipeline's sessions (DROP DATABASE ... WITH (FORCE) of a test database)
+            cur.execute(sql.SQL("GRANT pg_signal_backend TO {}").format(sql.Identifier(admin)))
     finally:
         conn.close()
 
