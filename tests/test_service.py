@@ -1,6 +1,7 @@
-"""Continuous mode on the live stack: kill -9 of the capture and merge processes while the workload writes,
-restart, catch up, reconcile exactly; status and history along the way; then a teardown that refuses without
-confirmation and leaves no slot or publication behind.
+"""Continuous mode on the live stack: kill -9 of the capture and merge processes while the workload writes, their
+keepers start them again by themselves, kill -9 of a keeper and start() again, catch up, reconcile exactly; status
+and history along the way; a service that keeps failing ends crashed after service.max_restarts; then a teardown
+that refuses without confirmation and leaves no slot or publication behind.
 
 Everything is this run's own: a database loaded with the sample bank, slot, publication, topic prefix,
 lake root (checkpoints included) and service folder. Tests run in file order and share the pipeline.
@@ -9,6 +10,7 @@ lake root (checkpoints included) and service folder. Tests run in file order and
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -17,7 +19,10 @@ import threading
 import time
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
 from lib import (
     bootstrap,
@@ -33,6 +38,7 @@ from lib import (
     teardown,
     workload,
 )
+from lib.stack import process
 
 pytestmark = pytest.mark.stack
 
@@ -57,6 +63,7 @@ def pipeline(live_stack, run_id, tmp_path_factory, drop_slot):
         "CDC__SERVICE__MERGE_INTERVAL": "2 seconds",
         "CDC__SERVICE__METRICS_INTERVAL_S": "2",
         "CDC__SERVICE__HEARTBEAT_S": "2",
+        "CDC__SERVICE__RESTART_BACKOFF_S": "1",
         "CDC__SPARK__APP_NAME": f"cdc-test-svc-{run_id}",
         # three of the bank's tables keep the merge's micro-batches short on a 2-core machine; they cover numeric
         # money, uuid, jsonb, arrays, enums, a composite key, and the workload's inserts, updates and deletes
@@ -110,7 +117,39 @@ def test_start_refuses_before_the_snapshot(pipeline):
     assert [row["state"] for row in service.status(pipeline)] == ["stopped", "stopped"]
 
 
-def test_kill_9_and_restart_while_writing_then_silver_reconciles(pipeline, spark_session):
+def test_a_service_that_keeps_failing_ends_crashed_after_the_limit(pipeline):
+    slot = f"{config.get(pipeline, 'source.slot')}_gone"
+    conf = config.apply_overrides(pipeline, {"CDC__SOURCE__SLOT": slot, "CDC__SERVICE__MAX_RESTARTS": "2",
+                                             "CDC__SERVICE__RESTART_BACKOFF_S": "0.5"})
+    control.put(conf, f"snapshot/{slot}", {"state": "complete"})  # start() checks it; the slot itself does not exist
+    try:
+        try:
+            service.start(conf, ("capture",), log=quiet)
+        except service.ServiceError as exc:  # when the first run fails within service.START_CHECK_S
+            assert "failed right after starting (exit code 1)" in str(exc) and "max_restarts=2" in str(exc), exc
+        row = wait_for(lambda: (lambda r: r if r["state"] == "crashed" else None)(service.state(conf, "capture")),
+                       90, "the keeper to give up")
+        assert row["restarts"] == 2 and row["child"] is None, row
+        assert "failed 3 times within service.restart_window_s=600 s (service.max_restarts=2), giving up" \
+            in row["last_line"], row
+        assert "last exit: exit code 1" in row["last_line"] and f"replication slot {slot}" in row["last_line"], row
+        log_text = service.files(conf, "capture")["log"].read_text()
+        assert log_text.count("ended with exit code 1; restart") == 2, log_text[-3000:]
+        assert any(f"capture service died (pid {row['pid']}" in w for w in monitor.status(conf)["warnings"])
+    finally:
+        service.stop(conf, log=quiet)
+        control.put(conf, f"snapshot/{slot}", None)
+    assert service.state(conf, "capture")["state"] == "stopped"
+
+
+def restarted(conf: dict, before: dict[str, int]) -> dict | None:
+    """Every service's state once its keeper runs a new child (not the pid in before), else None."""
+    rows = {name: service.state(conf, name) for name in before}
+    fresh = all(r["state"] == "running" and r["child"] and r["child"] != before[r["service"]] for r in rows.values())
+    return rows if fresh else None
+
+
+def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline, spark_session):
     conf, slot = pipeline, config.get(pipeline, "source.slot")
     done = snapshot.run(conf, spark_session, progress=quiet)
     assert done["status"] == "complete"
@@ -138,15 +177,30 @@ def test_kill_9_and_restart_while_writing_then_silver_reconciles(pipeline, spark
         time.sleep(8)  # some of the workload captured and in the merge's hands, more to come
         with pytest.raises(teardown.TeardownError, match="still run: stop them first"):
             teardown.run(conf, confirm=True)
-        for name in ("capture", "merge"):
-            os.kill(first[name], signal.SIGKILL)
-        wait_for(lambda: all(service.state(conf, n)["state"] == "crashed" for n in first), 20, "both to be dead")
+        children = {name: service.state(conf, name)["child"] for name in first}
+        assert all(children.values()), children
+        for name in first:
+            os.kill(children[name], signal.SIGKILL)
         assert writer.is_alive(), "the crash must happen while the workload writes"
-        assert sum("died" in w for w in monitor.status(conf)["warnings"]) == 2
-        time.sleep(3)  # the workload keeps writing while nothing captures or merges
+        # no start(): the keepers notice and start both again, from the slot's position and the checkpoint
+        rows = wait_for(lambda: restarted(conf, children), 60, "the keepers to start both again")
+        assert {n: r["pid"] for n, r in rows.items()} == first and all(r["restarts"] >= 1 for r in rows.values())
+        for name in first:
+            assert f"keeper: {name} (pid {children[name]}) ended with signal 9 (SIGKILL); restart 1" \
+                in service.files(conf, name)["log"].read_text()
+
+        # a keeper killed in turn: its child gets SIGTERM and stops; the service is crashed until start()
+        orphan = rows["capture"]["child"]
+        os.kill(first["capture"], signal.SIGKILL)
+        wait_for(lambda: service.state(conf, "capture")["state"] == "crashed", 20, "the capture keeper to be dead")
+        assert sum("died" in w for w in monitor.status(conf)["warnings"]) == 1
+        wait_for(lambda: "lib.service run capture" not in process.cmdline(orphan), 60,
+                 "the capture without its keeper to stop (PR_SET_PDEATHSIG)")
+        wait_for(lambda: not (monitor.slot_row(conf) or {}).get("active"), 30, "the slot to be released")
         second = service.start(conf, log=lines.append)
-        assert second["capture"] != first["capture"] and second["merge"] != first["merge"]
-        assert sum("was not stopped cleanly" in line for line in lines) == 2, lines
+        assert second["capture"] != first["capture"] and second["merge"] == first["merge"]
+        assert sum("was not stopped cleanly" in line for line in lines) == 1, lines
+        assert any(line.startswith("merge     already running") for line in lines), lines
     finally:
         writer.join(120)
         conn.close()
@@ -182,6 +236,38 @@ def test_kill_9_and_restart_while_writing_then_silver_reconciles(pipeline, spark
                                               for r in results if not r["equal"]]
     merged = merge.summary(spark_session, conf).collect()
     assert sum(r["bronze_events"] for r in merged) > sum(r["source_rows"] for r in results)
+    assert_bronze_complete(conf, spark_session)
+
+
+def topic_messages(conf: dict) -> dict[str, int]:
+    """Messages in each table topic (end minus start offset, summed over partitions)."""
+    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                         "group.id": f"svc-count-{time.monotonic_ns()}", "enable.auto.commit": False})
+    try:
+        counts = {}
+        for spec in merge.table_specs(conf):
+            partitions = consumer.list_topics(spec.topic, timeout=10).topics[spec.topic].partitions
+            counts[spec.qualified] = sum(high - low for low, high in (
+                consumer.get_watermark_offsets(TopicPartition(spec.topic, p), timeout=10) for p in partitions))
+        return counts
+    finally:
+        consumer.close()
+
+
+def assert_bronze_complete(conf: dict, spark) -> None:
+    """Bronze holds every Kafka message of every table topic exactly once (a killed merge's retried batch added
+    none twice); nothing was dead-lettered."""
+    dead = merge.dead_letter_counts(spark, conf).collect()
+    assert not dead, f"dead letters: {[r.asDict() for r in dead]}"
+    frames = [spark.read.format("delta").load(merge.bronze_path(conf, spec)).select(
+        F.lit(spec.qualified).alias("t"), F.struct("_kafka_topic", "_kafka_partition", "_kafka_offset").alias("at"))
+        for spec in merge.table_specs(conf)]
+    rows = functools.reduce(DataFrame.unionByName, frames).groupBy("t").agg(
+        F.count(F.lit(1)).alias("n"), F.countDistinct("at").alias("distinct")).collect()
+    in_bronze = {r["t"]: (r["n"], r["distinct"]) for r in rows}
+    duplicated = {t: c for t, c in in_bronze.items() if c[0] != c[1]}
+    assert not duplicated, f"bronze rows vs distinct (topic, partition, offset) per table: {duplicated}"
+    assert {t: c[0] for t, c in in_bronze.items()} == topic_messages(conf), in_bronze
 
 
 def test_teardown_refuses_without_confirmation_then_leaves_nothing(pipeline):
