@@ -145,45 +145,36 @@ def wal_lsn(conf: dict) -> str:
         conn.close()
 
 
-def wait_confirmed(conf: dict, lsn: str, slot: str | None = None, timeout_s: float = 600.0) -> float:
-    """Wait until the slot's confirmed position reaches lsn; returns when (time.monotonic())."""
-    slot = slot or config.get(conf, "source.slot")
+def _poll_slot(conf: dict, slot: str, column: str, params: tuple, timeout_s: float, failure: str):
+    """Poll one column of the slot's pg_replication_slots row until it is truthy; returns it."""
     conn = source.connect(conf)
     conn.autocommit = True
     deadline = time.monotonic() + timeout_s
     try:
         with conn.cursor() as cur:
             while True:
-                cur.execute("SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots WHERE slot_name = %s",
-                            (lsn, slot))
+                cur.execute(f"SELECT {column} FROM pg_replication_slots WHERE slot_name = %s", (*params, slot))
                 row = cur.fetchone()
                 if row and row[0]:
-                    return time.monotonic()
+                    return row[0]
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"slot {slot} did not reach {lsn} within {timeout_s:.0f} s")
+                    raise TimeoutError(f"{failure} within {timeout_s:.0f} s")
                 time.sleep(0.1)
     finally:
         conn.close()
+
+
+def wait_confirmed(conf: dict, lsn: str, slot: str | None = None, timeout_s: float = 600.0) -> float:
+    """Wait until the slot's confirmed position reaches lsn; returns when (time.monotonic())."""
+    slot = slot or config.get(conf, "source.slot")
+    _poll_slot(conf, slot, "confirmed_flush_lsn >= %s::pg_lsn", (lsn,), timeout_s, f"slot {slot} did not reach {lsn}")
+    return time.monotonic()
 
 
 def wait_active(conf: dict, timeout_s: float = 120.0) -> int:
     """Wait until a process streams from the slot; returns the walsender's pid."""
     slot = config.get(conf, "source.slot")
-    conn = source.connect(conf)
-    conn.autocommit = True
-    deadline = time.monotonic() + timeout_s
-    try:
-        with conn.cursor() as cur:
-            while True:
-                cur.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,))
-                row = cur.fetchone()
-                if row and row[0]:
-                    return row[0]
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nothing streamed from slot {slot} within {timeout_s:.0f} s")
-                time.sleep(0.1)
-    finally:
-        conn.close()
+    return _poll_slot(conf, slot, "active_pid", (), timeout_s, f"nothing streamed from slot {slot}")
 
 
 def machine() -> str:

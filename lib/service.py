@@ -252,30 +252,13 @@ def _stop_leftover_child(conf: dict, name: str, keeper_pid: int | None, log) -> 
         process.stop(child, timeout=STOP_TIMEOUT_S)
 
 
-def _stop_keeper(pid: int, timeout: float) -> None:
-    """SIGTERM to the keeper (it forwards it to its child and waits); after timeout SIGKILL to its process group."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        process.reap(pid)
-        if not process.pid_alive(pid):
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)  # the keeper started its own session: the child and Spark's JVM too
-    process.reap(pid)
-
-
 def stop(conf: dict, services: tuple[str, ...] = SERVICES, timeout: float = STOP_TIMEOUT_S, log=print) -> None:
     """Stop the services (capture first, so the merge sees everything it sent); a dead one's pid file is removed."""
     for name in services:
         paths = files(conf, name)
         row = state(conf, name)
         if row["state"] == "running":
-            _stop_keeper(row["pid"], timeout)
+            process.stop(row["pid"], timeout, group=True)  # the keeper forwards SIGTERM to its child
             log(f"{name:9s} stopped")
         elif row["state"] == "crashed":
             _stop_leftover_child(conf, name, row["pid"], log)

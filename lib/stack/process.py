@@ -118,8 +118,8 @@ def start(command: list[str], log_file: Path, pid_file: Path, env: dict | None =
     return proc.pid
 
 
-def stop(pid: int, timeout: float = 30.0) -> None:
-    """SIGTERM, wait, then SIGKILL if it is still there."""
+def stop(pid: int, timeout: float = 30.0, group: bool = False) -> None:
+    """SIGTERM, wait, then SIGKILL if it is still there (to its whole process group when group is set)."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -130,10 +130,11 @@ def stop(pid: int, timeout: float = 30.0) -> None:
         if not pid_alive(pid):
             return
         time.sleep(0.2)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:  # a process started in its own session: its children too
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
     reap(pid)
 
 
