@@ -424,11 +424,20 @@ def human_size(n) -> str:
     return str(n)
 
 
+FRAME_COLUMNS = {
+    "services": ("service", "state", "pid", "log", "last_line"),
+    "slots": SLOT_KEYS + ("lag_s",),
+    "tables": ("table", "topic", "events_in_per_s", "events_out_per_s", "events_in", "events_out", "kafka_messages",
+               "kafka_lag", "last_merged_lsn", "dead_letters"),
+}
+
+
 def frames(st: dict) -> dict:
-    """The status as pandas DataFrames (services, slots, tables) for a notebook."""
+    """The status as pandas DataFrames (services, slots, tables) for a notebook; no rows still gives the columns."""
     import pandas as pd
 
-    return {name: pd.DataFrame(st[name]) for name in ("services", "slots", "tables")}
+    return {name: pd.DataFrame(st[name]) if st[name] else pd.DataFrame(columns=list(columns))
+            for name, columns in FRAME_COLUMNS.items()}
 
 
 def report(st: dict) -> str:

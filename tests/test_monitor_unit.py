@@ -119,6 +119,16 @@ def test_report_shows_flows_and_warnings():
     assert "WARNING   slot s has no consumer attached" in text
 
 
+def test_frames_keep_their_columns_without_rows():
+    st = {"services": [{"service": "capture", "state": "stopped", "pid": None, "log": "c.log", "last_line": None}],
+          "slots": [], "tables": [{"table": "bank.customers", "kafka_lag": 0}]}
+    parts = monitor.frames(st)
+    assert list(parts["services"]["state"]) == ["stopped"] and list(parts["tables"]["kafka_lag"]) == [0]
+    assert parts["slots"].empty
+    assert {"slot", "lag_bytes", "lag_s", "retained_wal_bytes", "wal_status"} <= set(parts["slots"].columns)
+    assert set(monitor.FRAME_COLUMNS["tables"]) >= {"events_in_per_s", "events_out_per_s", "last_merged_lsn"}
+
+
 def test_teardown_names_what_is_lost():
     plan = {"slot": "s", "slot_row": {"confirmed_flush_lsn": "0/10", "lag_bytes": 4096, "retained_wal_bytes": 1 << 20},
             "publication": "p", "published_tables": ["bank.a"], "snapshot_record": {"state": "complete"},
