@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 import uuid
 
+import psycopg2
 import pytest
 from psycopg2 import sql
 
-from lib import config, source, spark, stack
+from lib import config, sample_db, source, spark, stack
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +49,19 @@ def scratch_database(live_stack, run_id):
 def pg_admin_dsn(live_stack, scratch_database) -> str:
     """libpq DSN of the admin role on the scratch database (may create and drop schema bank)."""
     return source.dsn(live_stack, admin=True, dbname=scratch_database)
+
+
+@pytest.fixture
+def bank_conn(pg_admin_dsn):
+    """A connection to the scratch database with a freshly created schema bank (dropped afterwards)."""
+    connection = psycopg2.connect(pg_admin_dsn)
+    sample_db.create_schema(connection)
+    yield connection
+    connection.rollback()
+    with connection.cursor() as cur:
+        cur.execute("DROP SCHEMA IF EXISTS bank CASCADE")
+    connection.commit()
+    connection.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,22 +1,14 @@
 """The sample bank schema has every type the pipeline must carry, and load() is reproducible."""
 
-import psycopg2
 import pytest
 
 from lib import sample_db
 
 
 @pytest.fixture
-def conn(pg_admin_dsn):
+def conn(bank_conn):
     """A connection with a freshly created schema bank (dropped afterwards)."""
-    connection = psycopg2.connect(pg_admin_dsn)
-    sample_db.create_schema(connection)
-    yield connection
-    connection.rollback()
-    with connection.cursor() as cur:
-        cur.execute("DROP SCHEMA IF EXISTS bank CASCADE")
-    connection.commit()
-    connection.close()
+    return bank_conn
 
 
 @pytest.fixture

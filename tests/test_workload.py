@@ -15,16 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def conn(pg_admin_dsn):
+def conn(bank_conn):
     """A connection to a freshly created and loaded schema bank (dropped afterwards)."""
-    connection = psycopg2.connect(pg_admin_dsn)
-    _reset(connection)
-    yield connection
-    connection.rollback()
-    with connection.cursor() as cur:
-        cur.execute("DROP SCHEMA IF EXISTS bank CASCADE")
-    connection.commit()
-    connection.close()
+    _reset(bank_conn)
+    return bank_conn
 
 
 def _reset(conn):
