@@ -116,7 +116,7 @@ def main(argv=None) -> None:
         append_s = time.monotonic() - began
         began = time.monotonic()
         source = merge.merge_source(decoded, layout, None, toast=False)
-        merge._merge_silver(spark, silver, spec, layout, source, None, "bench", batch)
+        merge._merge_silver(spark, silver, spec, layout, source, None)
         merge_s = time.monotonic() - began
         began = time.monotonic()
         latest = plain.dropDuplicates(["id"])

@@ -4,12 +4,13 @@ One Structured Streaming query reads every configured table topic; ``foreachBatc
 micro-batch by topic and, per table:
 
 - **bronze** ``<lake.root>/bronze/<schema>/<table>``: every event and tombstone, decoded (``key``,
-  ``before``, ``after``, ``source``, ``op``, ...) plus its Kafka coordinates. Appended with Delta's
-  ``txnAppId``/``txnVersion`` so a retried micro-batch never adds rows twice.
+  ``before``, ``after``, ``source``, ``op``, ...) plus its Kafka coordinates. Each append's commit
+  carries the micro-batch id in ``userMetadata``, so a retried micro-batch never adds rows twice.
 - **silver** ``<lake.root>/silver/<schema>/<table>``: the source table's columns (Avro field names)
   plus ``_commit_lsn``, ``_event_serial``, ``_op``, ``_deleted``, ``_deleted_at``, ``_updated_at``
-  and ``_unknown_cols``. Exactly one MERGE per table per micro-batch, idempotent the same way.
-  An event is applied only when its (commit_lsn, event_serial) is newer than the stored one.
+  and ``_unknown_cols``. Exactly one MERGE per table per micro-batch. An event is applied only when
+  its (commit_lsn, event_serial) is newer than the stored one, so running a batch's MERGE again
+  changes no row.
   Deletes keep a soft tombstone (``_deleted = true``, position kept) until
   ``merge.tombstone_retention_hours``; ``cleanup_tombstones`` removes older ones.
 - poison input (not Confluent-framed, unknown schema id, undecodable, null key, impossible event)
@@ -39,14 +40,17 @@ Decisions an operator should know (docs/events.md is the event contract):
   of the value subject (types of the newest version that has the field). New columns are added to
   silver (ALTER TABLE ADD COLUMNS) and bronze (mergeSchema); a dropped column stays in silver and is
   null in rows written by newer events; int -> bigint is widened (Delta type widening).
-- Idempotence ids: txnAppId = ``<query name>-<query id>/<schema.table>``, txnVersion = batch id. The
-  query id lives in the checkpoint, so a new checkpoint gets new ids (Delta would otherwise skip
-  every batch whose id is not above the old checkpoint's, silently).
+- Idempotence ids: ``<query name>-<query id>/<schema.table>`` with the batch id, in the bronze
+  commit's ``userMetadata`` (``{"merge_batch": ..., "batch": ...}``) and, for the dead-letter table,
+  as Delta's txnAppId/txnVersion. The query id lives in the checkpoint, so a new checkpoint gets new
+  ids (an old id would make every batch whose id is not above the old checkpoint's look done).
+- The Delta writes of one micro-batch (each table's bronze append and MERGE, the dead letters) run
+  up to ``merge.parallelism`` at a time; the batch fails as a whole if any of them fails.
 
 Settings (all optional, under ``merge:``): ``query_name``, ``max_offsets_per_trigger`` (100000),
 ``fail_on_data_loss`` (true), ``kafka_options`` (extra Kafka consumer options, values may be secret
 references), ``tombstone_retention_hours`` (168), ``cleanup_interval_minutes`` (60),
-``control_timeout_s`` (30), ``restart_attempts`` (2, run_until_caught_up only).
+``control_timeout_s`` (30), ``restart_attempts`` (2, run_until_caught_up only), ``parallelism`` (4).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import json
 import logging
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from confluent_kafka.schema_registry.error import SchemaRegistryError
@@ -75,6 +80,8 @@ OPS = ("c", "u", "d", "r")
 DEFAULT_MAX_OFFSETS = 100_000
 DEFAULT_RETENTION_HOURS = 168
 DEFAULT_CLEANUP_MINUTES = 60
+DEFAULT_PARALLELISM = 4
+BRONZE_HISTORY_COMMITS = 100  # commits searched for a retried batch's bronze append
 
 SOURCE_TYPE = T.StructType([T.StructField(name, kind) for name, kind in (
     ("version", T.StringType()), ("connector", T.StringType()), ("name", T.StringType()),
@@ -93,7 +100,6 @@ DEAD_LETTER_SCHEMA = T.StructType([
     T.StructField("batch_id", T.LongType()), T.StructField("query", T.StringType()),
     T.StructField("ingested_at", T.TimestampType())])
 _NOT_FRAMED = "is not Confluent wire format (magic byte 0 + 4-byte schema id): produce with the registry's serializer"
-_TXN_APP, _TXN_VERSION = "spark.databricks.delta.write.txnAppId", "spark.databricks.delta.write.txnVersion"
 
 
 class MergeError(RuntimeError):
@@ -565,13 +571,27 @@ def _align_columns(spark: SparkSession, table, path: str, spec: TableSpec, row: 
 
 
 def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
-                  truncate: tuple[int, int, object] | None, app_id: str, batch_id: int) -> None:
-    """The one MERGE of a table in a micro-batch (idempotent through txnAppId/txnVersion)."""
+                  truncate: tuple[int, int, object] | None, ready: dict | None = None) -> None:
+    """The one MERGE of a table in a micro-batch.
+
+    Running it again with the same source changes nothing (every clause requires a newer position or
+    a live row), so a retried micro-batch needs no idempotence id here. ``ready`` (the context's
+    per-table cache) skips the existence, schema and emptiness checks once they are known.
+    """
     keys = [f.name for f in layout.key.fields]
     key_lower = {k.lower() for k in keys}
     payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
-    table = _ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS))
-    _align_columns(spark, table, path, spec, layout.row)
+    ready = {} if ready is None else ready
+    known = ready.get(path)
+    if known is None or known["row"] != layout.row:
+        table = _ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS))
+        _align_columns(spark, table, path, spec, layout.row)
+        known = ready[path] = {"row": layout.row, "filled": False}
+    from delta.tables import DeltaTable
+
+    table = DeltaTable.forPath(spark, path)
+    if not known["filled"]:
+        known["filled"] = bool(table.detail().select("numFiles").collect()[0][0])
     on = " AND ".join(f"t.{quote(k)} = s.{quote(k)}" for k in keys)
     newer = ("(s.__lsn > t._commit_lsn OR (s.__lsn = t._commit_lsn AND s.__serial > t._event_serial) "
              "OR (s.__lsn = t._commit_lsn AND s.__serial = t._event_serial AND t._op = 'tombstone' "
@@ -590,7 +610,7 @@ def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layou
                    "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END", "_updated_at": "s.__ts",
                    "_unknown_cols": f"CASE WHEN NOT {is_delete} THEN nullif(s.__unchanged, array()) END"})
     builder = table.alias("t").merge(source.alias("s"), on)
-    if table.detail().select("numFiles").collect()[0][0]:
+    if known["filled"]:
         builder = builder.whenMatchedUpdate("s.__kind = 'tombstone' AND NOT t._deleted",
                                             {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}) \
             .whenMatchedUpdate(f"s.__kind = 'event' AND {newer}", update)
@@ -602,18 +622,7 @@ def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layou
             f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
             {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
              "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"})
-    _with_txn(spark, app_id, batch_id, builder.execute)
-
-
-def _with_txn(spark: SparkSession, app_id: str, version: int, action):
-    """Run a Delta DML with the session's txnAppId/txnVersion set (a repeated pair is skipped by Delta)."""
-    spark.conf.set(_TXN_APP, app_id)
-    spark.conf.set(_TXN_VERSION, str(version))
-    try:
-        return action()
-    finally:
-        spark.conf.unset(_TXN_APP)
-        spark.conf.unset(_TXN_VERSION)
+    builder.execute()  # "filled" stays as checked: the next batch looks again until the table has files
 
 
 def _truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, object]) -> bool:
@@ -646,6 +655,8 @@ class MergeContext:
     fault: object = None  # tests: fault(stage, batch_id, table) may raise to simulate a crash
     session: SparkSession | None = None  # the session that started the query (knows its id)
     failure: tuple[int, BaseException] | None = None  # the last batch that raised, and why
+    ready: dict = field(default_factory=dict)  # Delta path -> what is known of it (schema, has files)
+    appended: dict = field(default_factory=dict)  # bronze path -> last batch id appended by this context
 
     def spec(self, topic: str) -> TableSpec | None:
         """The table a topic belongs to."""
@@ -681,8 +692,8 @@ def _app_id(ctx: MergeContext, spark: SparkSession) -> str:
 def process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     """foreachBatch body: bronze append, one silver MERGE per table, dead letters; returns the batch's counts.
 
-    Safe to run again with the same batch_id (a retried batch): every Delta commit carries
-    (txnAppId, batch_id) and Delta skips a pair it has already committed.
+    Safe to run again with the same batch_id (a retried batch): a bronze or dead-letter append that
+    was committed is skipped, and the silver MERGEs change nothing the second time.
     """
     try:
         return _process_batch(batch, batch_id, ctx)
@@ -701,7 +712,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     try:
         present = {row["topic"]: row for row in raw.groupBy("topic").agg(
             F.collect_set("__vid").alias("v"), F.collect_set("__kid").alias("k")).collect()}
-        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}}
+        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}, "seconds_by_table": {}}
         if not present:
             return stats
         unknown = [t for t in present if t != control_topic and ctx.spec(t) is None]
@@ -724,7 +735,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
                 frames.append(decoded)
             work.append((spec, layout, decoded, row is not None, cut, pending))
         counts = _counts([(spec.qualified, decoded) for spec, _, decoded, has_rows, _, _ in work if has_rows])
-        dead = []
+        tasks, dead = [], []  # the batch's Delta writes: independent tables, run side by side
         for spec, layout, decoded, has_rows, cut, pending in work:
             mine = counts.get(spec.qualified, {})
             good = mine.get(None)
@@ -737,29 +748,25 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
                 stats["dead_letters"][reason] = stats["dead_letters"].get(reason, 0) + n
             if bad:
                 dead.append(dead_letter_rows(decoded, ctx.query))
-            silver = silver_path(ctx.conf, spec)
+            if good is None and pending is None:
+                continue
+            timing = stats["seconds_by_table"].setdefault(spec.qualified, {})
             if good is not None:
-                bronze = bronze_path(ctx.conf, spec)
-                rows = bronze_rows(decoded)
-                _ensure_table(spark, bronze, rows.schema)
-                rows.write.format("delta").mode("append").option("mergeSchema", "true") \
-                    .option("txnAppId", f"{app}/{spec.qualified}").option("txnVersion", batch_id).save(bronze)
-                _fire(ctx, "after_bronze", batch_id, spec)
+                tasks.append(functools.partial(_write_bronze, spark, ctx, spec, decoded, app, batch_id, timing))
             if good is not None or pending is not None:
                 source = merge_source(decoded, layout, cut[:2] if cut else None,
                                       toast=good is not None and good["toast"] > 0)
-                _merge_silver(spark, silver, spec, layout, source, pending, f"{app}/{spec.qualified}", batch_id)
-                _fire(ctx, "after_silver", batch_id, spec)
+                tasks.append(functools.partial(_write_silver, spark, ctx, spec, layout, source, pending, batch_id,
+                                               timing))
             if pending is not None:
                 stats["tables"].setdefault(spec.qualified, {})["truncated_before"] = list(cut[:2])
+        if dead:
+            tasks.append(functools.partial(_write_dead_letters, ctx, functools.reduce(DataFrame.unionByName, dead),
+                                           app, batch_id, stats["dead_letters"]))
+        _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism", DEFAULT_PARALLELISM)))
+        for spec, _, _, _, cut, _ in work:
             if cut is not None:
                 ctx.truncates_applied[spec.qualified] = cut
-        if dead:
-            frame = functools.reduce(DataFrame.unionByName, dead)
-            frame.write.format("delta").mode("append").option("txnAppId", f"{app}/_dead_letter") \
-                .option("txnVersion", batch_id).save(dead_letter_path(ctx.conf))
-            log.warning("merge batch %s: %s message(s) went to the dead-letter table %s: %s", batch_id,
-                        sum(stats["dead_letters"].values()), dead_letter_path(ctx.conf), stats["dead_letters"])
         interval = float(config.get(ctx.conf, "merge.cleanup_interval_minutes", DEFAULT_CLEANUP_MINUTES)) * 60
         if interval > 0 and time.monotonic() - ctx.last_cleanup >= interval:
             cleanup_tombstones(spark, ctx.conf)
@@ -787,6 +794,81 @@ def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:
     for r in rows:
         out.setdefault(r["t"], {})[r["__reason"]] = {"n": r["n"], "tombs": r["tombs"], "toast": r["toast"]}
     return out
+
+
+def _write_bronze(spark: SparkSession, ctx: MergeContext, spec: TableSpec, decoded: DataFrame, app: str,
+                  batch_id: int, timing: dict) -> None:
+    """Append a table's good rows to its bronze change log, once per micro-batch.
+
+    Each append's commit carries ``userMetadata`` {"merge_batch": <app>/<schema.table>, "batch": id}. A
+    batch this process has not appended itself since it started (the first one, or any after a failed
+    batch) is first looked up in the table's last BRONZE_HISTORY_COMMITS commits and skipped when found.
+    Delta's txnAppId would do the same but rebuilds the table's whole state on every append.
+    """
+    began = time.monotonic()
+    bronze = bronze_path(ctx.conf, spec)
+    marker = f"{app}/{spec.qualified}"
+    rows = bronze_rows(decoded)
+    if ctx.ready.get(bronze) != rows.schema:
+        _ensure_table(spark, bronze, rows.schema)
+        ctx.ready[bronze] = rows.schema
+    done = ctx.appended.get(bronze)
+    if done is None or ctx.failure is not None:
+        done = _appended_batch(spark, bronze, marker)
+    if done is not None and done >= batch_id:
+        log.info("merge batch %s: bronze %s already holds this batch (a retried batch): not appended again",
+                 batch_id, bronze)
+    else:
+        rows.write.format("delta").mode("append").option("mergeSchema", "true") \
+            .option("userMetadata", json.dumps({"merge_batch": marker, "batch": batch_id})).save(bronze)
+    ctx.appended[bronze] = batch_id
+    timing.update(bronze_s=round(time.monotonic() - began, 2), bronze_at=time.time())
+    _fire(ctx, "after_bronze", batch_id, spec)
+
+
+def _appended_batch(spark: SparkSession, path: str, marker: str) -> int | None:
+    """The newest micro-batch id appended under marker, from the table's last commits (None: none there)."""
+    from delta.tables import DeltaTable
+
+    for row in DeltaTable.forPath(spark, path).history(BRONZE_HISTORY_COMMITS).select("userMetadata").collect():
+        try:
+            meta = json.loads(row["userMetadata"] or "{}")
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and meta.get("merge_batch") == marker:
+            return int(meta["batch"])
+    return None
+
+
+def _write_silver(spark: SparkSession, ctx: MergeContext, spec: TableSpec, layout: Layout, source: DataFrame,
+                  pending: tuple | None, batch_id: int, timing: dict) -> None:
+    """Run a table's one MERGE into silver, timed."""
+    began = time.monotonic()
+    _merge_silver(spark, silver_path(ctx.conf, spec), spec, layout, source, pending, ctx.ready)
+    timing.update(silver_s=round(time.monotonic() - began, 2), silver_at=time.time())
+    _fire(ctx, "after_silver", batch_id, spec)
+
+
+def _write_dead_letters(ctx: MergeContext, frame: DataFrame, app: str, batch_id: int, reasons: dict) -> None:
+    """Append the batch's poison messages to the dead-letter table (idempotent like bronze)."""
+    frame.write.format("delta").mode("append").option("txnAppId", f"{app}/_dead_letter") \
+        .option("txnVersion", batch_id).save(dead_letter_path(ctx.conf))
+    log.warning("merge batch %s: %s message(s) went to the dead-letter table %s: %s", batch_id,
+                sum(reasons.values()), dead_letter_path(ctx.conf), reasons)
+
+
+def _run_all(tasks: list, parallelism: int) -> None:
+    """Run the batch's Delta writes, up to ``parallelism`` at once; every write finishes before the first
+    error is raised (the micro-batch then fails as a whole and is retried)."""
+    if parallelism <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    with ThreadPoolExecutor(max_workers=min(parallelism, len(tasks)), thread_name_prefix="merge-write") as pool:
+        futures = [pool.submit(task) for task in tasks]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 def _fire(ctx: MergeContext, stage: str, batch_id: int, spec: TableSpec) -> None:

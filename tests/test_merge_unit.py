@@ -8,7 +8,8 @@ scenario left in bronze, silver and the dead-letter table:
   every kind next to good rows;
 - batch 1: late older events, TOAST keeps the stored value, a lone tombstone, a reverted schema,
   a truncate from the control topic;
-- batch 1 again with the same id (a retried batch): Delta skips every commit.
+- batch 1 again with the same id (a retried batch): Delta skips the bronze and dead-letter appends, and
+  the silver MERGEs change no row.
 """
 
 from __future__ import annotations
@@ -203,10 +204,12 @@ def run(unit_conf, spark_session):
     items_after_0 = _rows(spark, conf, "items")
     control.put(conf, "truncate/unit.trunc", {"commit_lsn": 20, "event_serial": 0, "ts_ms": NOW_MS})
     stats.append(merge.process_batch(frame(batch1), 1, ctx))
-    versions_after_1 = _versions(spark, conf)
+    versions_after_1, silver_after_1 = _versions(spark, conf), _silver_rows(spark, conf)
     stats.append(merge.process_batch(frame(batch1), 1, ctx))  # the same batch again: a retried batch
     return {"conf": conf, "spark": spark, "stats": stats, "versions_after_1": versions_after_1,
-            "versions_after_retry": _versions(spark, conf), "items_id": items.value_id, "items_after_0": items_after_0}
+            "versions_after_retry": _versions(spark, conf), "silver_after_1": silver_after_1,
+            "silver_after_retry": _silver_rows(spark, conf), "items_id": items.value_id,
+            "items_after_0": items_after_0}
 
 
 def _versions(spark, conf) -> dict:
@@ -216,6 +219,12 @@ def _versions(spark, conf) -> dict:
     paths = [merge.dead_letter_path(conf)] + [p for spec in merge.table_specs(conf)
                                               for p in (merge.bronze_path(conf, spec), merge.silver_path(conf, spec))]
     return {p: DeltaTable.forPath(spark, p).history(1).collect()[0]["version"] for p in paths}
+
+
+def _silver_rows(spark, conf) -> dict:
+    """Every silver table's rows, every column, sorted."""
+    return {spec.qualified: sorted(map(str, merge.silver(spark, conf, spec.qualified, include_deleted=True).collect()))
+            for spec in merge.table_specs(conf)}
 
 
 def _rows(spark, conf, table) -> dict:
@@ -304,10 +313,14 @@ def test_poison_goes_to_the_dead_letter_table_and_good_rows_still_merge(run, ite
     assert 90 not in items and 2 in items
 
 
-def test_a_retried_batch_commits_nothing(run):
+def test_a_retried_batch_appends_nothing_and_changes_no_silver_row(run):
     counted = [{t: (c["events"], c["tombstones"]) for t, c in run["stats"][i]["tables"].items()} for i in (1, 2)]
     assert counted[0] == counted[1]  # it was processed again...
-    assert run["versions_after_retry"] == run["versions_after_1"]  # ...and Delta skipped every commit
+    appends = [p for p in run["versions_after_1"] if "/silver/" not in p]
+    assert len(appends) == 4
+    assert {p: run["versions_after_retry"][p] for p in appends} == {p: run["versions_after_1"][p] for p in appends}
+    assert run["silver_after_retry"] == run["silver_after_1"]  # ...the MERGEs ran again and changed nothing
+    assert sum(len(rows) for rows in run["silver_after_1"].values()) > 10
     bronze = run["spark"].read.format("delta").load(merge.bronze_path(run["conf"], merge.table_specs(run["conf"])[0]))
     assert bronze.count() == bronze.select("_kafka_partition", "_kafka_offset").distinct().count() == 13 + 1 + 6
 
