@@ -21,8 +21,9 @@ merge starts from the real initial load.
 Measured per event, afterwards and without polling (nothing competes with the merge for the two
 cores while it runs): bronze keeps each event's ``source.ts_ms`` (PostgreSQL's commit time), its
 Kafka CreateTime (set when the capture hands it to the producer) and its micro-batch id. The silver
-MERGE of micro-batch b is the Delta commit carrying the idempotence pair (txnAppId, txnVersion = b);
-it becomes visible to readers when its ``_delta_log/<version>.json`` is written, so that file's
+append of micro-batch b is the Delta commit whose ``userMetadata`` carries b; its silver MERGE is the
+last MERGE commit written before the batch body recorded it done (``seconds_by_table``). A commit
+becomes visible to readers when its ``_delta_log/<version>.json`` is written, so that file's
 modification time is when the change became visible in silver. latency = visible - commit. Where the
 time goes: commit -> Kafka, Kafka -> start of the micro-batch (waiting for the trigger or for the
 previous batch; the start is the query progress' ``timestamp``), batch start -> bronze commit
@@ -198,18 +199,34 @@ def _jobs(spark, query) -> int | None:
         return None
 
 
-def delta_commits(table_path: str) -> dict[int, dict]:
-    """Micro-batch id (txnVersion) -> {'ms': modification time of the Delta commit file, 'metrics': its
-    operationMetrics}: the file is written when the commit becomes visible to readers."""
-    commits = {}
-    for path in Path(table_path, "_delta_log").glob("*.json"):
+def delta_commits(table_path: str) -> list[dict]:
+    """Every commit of a Delta table, oldest first: {'ms': modification time of its commit file (written when
+    the commit becomes visible to readers), 'operation', 'metrics' (operationMetrics), 'batch' (the micro-batch
+    id a bronze append carries in userMetadata, else None)}."""
+    commits = []
+    for path in sorted(Path(table_path, "_delta_log").glob("*.json")):
         actions = [json.loads(line) for line in path.read_text().splitlines()]
-        versions = [a["txn"]["version"] for a in actions if "txn" in a]
         info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
-        if versions:
-            commits[int(versions[0])] = {"ms": path.stat().st_mtime * 1000,
-                                         "metrics": info.get("operationMetrics") or {}}
+        try:
+            batch = json.loads(info.get("userMetadata") or "{}").get("batch")
+        except ValueError:
+            batch = None
+        commits.append({"ms": path.stat().st_mtime * 1000, "operation": info.get("operation"),
+                        "metrics": info.get("operationMetrics") or {}, "batch": batch})
     return commits
+
+
+def silver_commits(table_path: str, history: list[dict], table: str) -> dict[int, dict]:
+    """Micro-batch id -> its silver MERGE commit: the last MERGE commit written before the batch's
+    foreachBatch body recorded the MERGE as done (``seconds_by_table[table]['silver_at']``)."""
+    merges = [c for c in delta_commits(table_path) if c["operation"] == "MERGE"]
+    found = {}
+    for batch in history:
+        done = batch.get("seconds_by_table", {}).get(table, {}).get("silver_at")
+        before = [c for c in merges if done is not None and c["ms"] <= done * 1000 + 50]
+        if before:
+            found[batch["batch_id"]] = before[-1]
+    return found
 
 
 def batch_starts(progress: list[dict]) -> dict[int, float]:
@@ -235,7 +252,8 @@ def measure(conf: dict, spark, phase: dict) -> dict:
     events = bronze.filter(~F.col("_tombstone") & F.array_contains(F.col("after.tags"), phase["tag"])).select(
         F.col("source.ts_ms").alias("commit"), F.unix_millis("_kafka_timestamp").alias("kafka"),
         F.col("_batch_id").alias("batch")).collect()
-    silver, bronze_at = delta_commits(merge.silver_path(conf, spec)), delta_commits(merge.bronze_path(conf, spec))
+    silver = silver_commits(merge.silver_path(conf, spec), phase["history"], spec.qualified)
+    bronze_at = {c["batch"]: c for c in delta_commits(merge.bronze_path(conf, spec)) if c["batch"] is not None}
     starts = batch_starts(phase["progress"])
     parts: dict[str, list[float]] = {name: [] for name, _ in PARTS}
     for e in events:

@@ -198,14 +198,16 @@ def run(unit_conf, spark_session):
     }
     batch1 = [row for topic, messages in batch1_messages.items() for row in feed.rows(topic, messages)]
 
-    ctx = merge.context(conf, query="unit", app_id=f"unit-{uuid.uuid4().hex[:6]}")
+    app_id = f"unit-{uuid.uuid4().hex[:6]}"
+    ctx = merge.context(conf, query="unit", app_id=app_id)
     frame = lambda rows: spark.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
     stats = [merge.process_batch(frame(batch0), 0, ctx)]
     items_after_0 = _rows(spark, conf, "items")
     control.put(conf, "truncate/unit.trunc", {"commit_lsn": 20, "event_serial": 0, "ts_ms": NOW_MS})
     stats.append(merge.process_batch(frame(batch1), 1, ctx))
     versions_after_1, silver_after_1 = _versions(spark, conf), _silver_rows(spark, conf)
-    stats.append(merge.process_batch(frame(batch1), 1, ctx))  # the same batch again: a retried batch
+    # the same batch again in a new context, as after a crash: the bronze commits are found by their batch id
+    stats.append(merge.process_batch(frame(batch1), 1, merge.context(conf, query="unit", app_id=app_id)))
     return {"conf": conf, "spark": spark, "stats": stats, "versions_after_1": versions_after_1,
             "versions_after_retry": _versions(spark, conf), "silver_after_1": silver_after_1,
             "silver_after_retry": _silver_rows(spark, conf), "items_id": items.value_id,
