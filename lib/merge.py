@@ -864,8 +864,12 @@ def _run_all(tasks: list, parallelism: int) -> None:
         for task in tasks:
             task()
         return
+    from pyspark import inheritable_thread_target
+
+    # each task runs with this thread's Spark local properties (the query's job group, so stopping the
+    # query cancels its writes too)
     with ThreadPoolExecutor(max_workers=min(parallelism, len(tasks)), thread_name_prefix="merge-write") as pool:
-        futures = [pool.submit(task) for task in tasks]
+        futures = [pool.submit(inheritable_thread_target(task)) for task in tasks]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]

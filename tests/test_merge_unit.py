@@ -347,3 +347,24 @@ def test_key_history_lists_one_keys_events_in_arrival_order_with_positions(run):
     assert four[2]["position"] is None and four[2]["tx_id"] is None
     with pytest.raises(merge.MergeError, match=r"key of unit.items is \(id\), not \(name\)"):
         merge.key_history(run["spark"], run["conf"], "unit.items", {"name": "x"})
+
+
+def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_one_finishes(run):
+    sc = run["spark"].sparkContext
+    sc.setJobGroup("unit-query-run", "a streaming query's run id")
+    seen, started = [], []
+
+    def record():
+        started.append(1)
+        time.sleep(0.2)
+        seen.append(sc.getLocalProperty("spark.jobGroup.id"))
+
+    def fail():
+        raise RuntimeError("simulated failure of one table's MERGE")
+
+    try:
+        with pytest.raises(RuntimeError, match="simulated failure of one table's MERGE"):
+            merge._run_all([fail, record, record, record], 4)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert seen == ["unit-query-run"] * 3  # the other writes finished before the error was raised
