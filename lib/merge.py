@@ -763,7 +763,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
         if dead:
             tasks.append(functools.partial(_write_dead_letters, ctx, functools.reduce(DataFrame.unionByName, dead),
                                            app, batch_id, stats["dead_letters"]))
-        _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism", DEFAULT_PARALLELISM)))
+        _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism", DEFAULT_PARALLELISM)), spark)
         for spec, _, _, _, cut, _ in work:
             if cut is not None:
                 ctx.truncates_applied[spec.qualified] = cut
@@ -857,7 +857,7 @@ def _write_dead_letters(ctx: MergeContext, frame: DataFrame, app: str, batch_id:
                 sum(reasons.values()), dead_letter_path(ctx.conf), reasons)
 
 
-def _run_all(tasks: list, parallelism: int) -> None:
+def _run_all(tasks: list, parallelism: int, spark: SparkSession) -> None:
     """Run the batch's Delta writes, up to ``parallelism`` at once; every write finishes before the first
     error is raised (the micro-batch then fails as a whole and is retried)."""
     if parallelism <= 1 or len(tasks) <= 1:
@@ -866,10 +866,11 @@ def _run_all(tasks: list, parallelism: int) -> None:
         return
     from pyspark import inheritable_thread_target
 
-    # each task runs with this thread's Spark local properties (the query's job group, so stopping the
-    # query cancels its writes too)
+    # each task runs with this thread's Spark local properties and the session's tags (the query's job
+    # group, so stopping the query cancels its writes too)
+    inherit = inheritable_thread_target(spark)
     with ThreadPoolExecutor(max_workers=min(parallelism, len(tasks)), thread_name_prefix="merge-write") as pool:
-        futures = [pool.submit(inheritable_thread_target(task)) for task in tasks]
+        futures = [pool.submit(inherit(task)) for task in tasks]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]

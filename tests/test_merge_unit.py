@@ -364,7 +364,7 @@ def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_on
 
     try:
         with pytest.raises(RuntimeError, match="simulated failure of one table's MERGE"):
-            merge._run_all([fail, record, record, record], 4)
+            merge._run_all([fail, record, record, record], 4, run["spark"])
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)
     assert seen == ["unit-query-run"] * 3  # the other writes finished before the error was raised
