@@ -46,6 +46,9 @@ Decisions an operator should know (docs/events.md is the event contract):
   ids (an old id would make every batch whose id is not above the old checkpoint's look done).
 - The Delta writes of one micro-batch (each table's bronze append and MERGE, the dead letters) run
   up to ``merge.parallelism`` at a time; the batch fails as a whole if any of them fails.
+- When Delta refuses a MERGE because the source's cached state changed while it ran
+  (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION; seen once re-running a batch a stopped service left
+  uncommitted), the MERGE runs once more on a checkpointed copy of the source.
 
 Settings (all optional, under ``merge:``): ``query_name``, ``max_offsets_per_trigger`` (100000),
 ``fail_on_data_loss`` (true), ``kafka_options`` (extra Kafka consumer options, values may be secret
@@ -609,20 +612,31 @@ def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layou
     insert.update({"_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
                    "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END", "_updated_at": "s.__ts",
                    "_unknown_cols": f"CASE WHEN NOT {is_delete} THEN nullif(s.__unchanged, array()) END"})
-    builder = table.alias("t").merge(source.alias("s"), on)
-    if known["filled"]:
-        builder = builder.whenMatchedUpdate("s.__kind = 'tombstone' AND NOT t._deleted",
-                                            {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}) \
-            .whenMatchedUpdate(f"s.__kind = 'event' AND {newer}", update)
-    # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only MERGE path
-    builder = builder.whenNotMatchedInsert("s.__kind = 'event'", insert)
-    if truncate is not None:
-        lsn, serial, ts_ms = truncate
-        builder = builder.whenNotMatchedBySourceUpdate(
-            f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
-            {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
-             "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"})
-    builder.execute()  # "filled" stays as checked: the next batch looks again until the table has files
+    for attempt in (1, 2):
+        builder = table.alias("t").merge(source.alias("s"), on)
+        if known["filled"]:
+            builder = builder.whenMatchedUpdate("s.__kind = 'tombstone' AND NOT t._deleted",
+                                                {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}) \
+                .whenMatchedUpdate(f"s.__kind = 'event' AND {newer}", update)
+        # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only MERGE path
+        builder = builder.whenNotMatchedInsert("s.__kind = 'event'", insert)
+        if truncate is not None:
+            lsn, serial, ts_ms = truncate
+            builder = builder.whenNotMatchedBySourceUpdate(
+                f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
+                {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
+                 "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"})
+        try:
+            builder.execute()  # "filled" stays as checked: the next batch looks again until the table has files
+            return
+        except Exception as exc:  # noqa: BLE001 - one known Delta refusal is retried, anything else raised
+            if attempt == 2 or "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION" not in str(exc):
+                raise
+            # Delta saw the source's cached state change while it ran (a source it did not materialize, such as
+            # the insert-only path's): run it again on a copy of the source that no cache can change
+            log.warning("merge %s: Delta refused the MERGE (%s); running it again on a checkpointed copy of "
+                        "the source", spec.qualified, "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION")
+            source = source.localCheckpoint(eager=True)
 
 
 def _truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, object]) -> bool:

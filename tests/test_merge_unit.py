@@ -15,6 +15,7 @@ scenario left in bronze, silver and the dead-letter table:
 from __future__ import annotations
 
 import io
+import logging
 import time
 import uuid
 from datetime import date, datetime, timezone
@@ -208,10 +209,33 @@ def run(unit_conf, spark_session):
     versions_after_1, silver_after_1 = _versions(spark, conf), _silver_rows(spark, conf)
     # the same batch again in a new context, as after a crash: the bronze commits are found by their batch id
     stats.append(merge.process_batch(frame(batch1), 1, merge.context(conf, query="unit", app_id=app_id)))
+    versions_after_retry, silver_after_retry = _versions(spark, conf), _silver_rows(spark, conf)
+    # once more with Delta told not to materialize MERGE sources: it then refuses our cached source
+    # (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION) and the merge runs the MERGE again on a checkpointed copy
+    warnings = _Collect()
+    logging.getLogger("lib.merge").addHandler(warnings)
+    spark.conf.set("spark.databricks.delta.merge.materializeSource", "none")
+    try:
+        stats.append(merge.process_batch(frame(batch1), 1, merge.context(conf, query="unit", app_id=app_id)))
+    finally:
+        spark.conf.unset("spark.databricks.delta.merge.materializeSource")
+        logging.getLogger("lib.merge").removeHandler(warnings)
     return {"conf": conf, "spark": spark, "stats": stats, "versions_after_1": versions_after_1,
-            "versions_after_retry": _versions(spark, conf), "silver_after_1": silver_after_1,
-            "silver_after_retry": _silver_rows(spark, conf), "items_id": items.value_id,
+            "versions_after_retry": versions_after_retry, "silver_after_1": silver_after_1,
+            "silver_after_retry": silver_after_retry, "silver_after_refused": _silver_rows(spark, conf),
+            "refused": [r.getMessage() for r in warnings.records], "items_id": items.value_id,
             "items_after_0": items_after_0}
+
+
+class _Collect(logging.Handler):
+    """Keeps the log records it is given."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
 
 
 def _versions(spark, conf) -> dict:
@@ -368,3 +392,9 @@ def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_on
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)
     assert seen == ["unit-query-run"] * 3  # the other writes finished before the error was raised
+
+
+def test_a_merge_delta_refuses_for_its_cached_source_runs_again_on_a_checkpointed_copy(run):
+    refused = [m for m in run["refused"] if "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION" in m]
+    assert refused and all("checkpointed copy of the source" in m for m in refused)
+    assert run["silver_after_refused"] == run["silver_after_1"]
