@@ -40,9 +40,9 @@ Decisions an operator should know (docs/events.md is the event contract):
   of the value subject (types of the newest version that has the field). New columns are added to
   silver (ALTER TABLE ADD COLUMNS) and bronze (mergeSchema); a dropped column stays in silver and is
   null in rows written by newer events; int -> bigint is widened (Delta type widening).
-- Idempotence ids: ``<query name>-<query id>/<schema.table>`` with the batch id, in the bronze
-  commit's ``userMetadata`` (``{"merge_batch": ..., "batch": ...}``) and, for the dead-letter table,
-  as Delta's txnAppId/txnVersion. The query id lives in the checkpoint, so a new checkpoint gets new
+- Idempotence ids: ``<query name>-<query id>/<schema.table>`` (``.../_dead_letter`` for the
+  dead-letter table) with the batch id, in each append's commit ``userMetadata``
+  (``{"merge_batch": ..., "batch": ...}``). The query id lives in the checkpoint, so a new checkpoint gets new
   ids (an old id would make every batch whose id is not above the old checkpoint's look done).
 - The Delta writes of one micro-batch (each table's bronze append and MERGE, the dead letters) run
   up to ``merge.parallelism`` at a time; the batch fails as a whole if any of them fails.
@@ -84,7 +84,7 @@ DEFAULT_MAX_OFFSETS = 100_000
 DEFAULT_RETENTION_HOURS = 168
 DEFAULT_CLEANUP_MINUTES = 60
 DEFAULT_PARALLELISM = 4
-BRONZE_HISTORY_COMMITS = 100  # commits searched for a retried batch's bronze append
+APPEND_HISTORY_COMMITS = 100  # commits searched for a retried batch's append (bronze, dead letters)
 
 SOURCE_TYPE = T.StructType([T.StructField(name, kind) for name, kind in (
     ("version", T.StringType()), ("connector", T.StringType()), ("name", T.StringType()),
@@ -581,6 +581,8 @@ def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layou
     a live row), so a retried micro-batch needs no idempotence id here. ``ready`` (the context's
     per-table cache) skips the existence, schema and emptiness checks once they are known.
     """
+    from delta.tables import DeltaTable
+
     keys = [f.name for f in layout.key.fields]
     key_lower = {k.lower() for k in keys}
     payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
@@ -590,8 +592,6 @@ def _merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layou
         table = _ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS))
         _align_columns(spark, table, path, spec, layout.row)
         known = ready[path] = {"row": layout.row, "filled": False}
-    from delta.tables import DeltaTable
-
     table = DeltaTable.forPath(spark, path)
     if not known["filled"]:
         known["filled"] = bool(table.detail().select("numFiles").collect()[0][0])
@@ -767,16 +767,15 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             timing = stats["seconds_by_table"].setdefault(spec.qualified, {})
             if good is not None:
                 tasks.append(functools.partial(_write_bronze, spark, ctx, spec, decoded, app, batch_id, timing))
-            if good is not None or pending is not None:
-                source = merge_source(decoded, layout, cut[:2] if cut else None,
-                                      toast=good is not None and good["toast"] > 0)
-                tasks.append(functools.partial(_write_silver, spark, ctx, spec, layout, source, pending, batch_id,
-                                               timing))
+            source = merge_source(decoded, layout, cut[:2] if cut else None,
+                                  toast=good is not None and good["toast"] > 0)
+            tasks.append(functools.partial(_write_silver, spark, ctx, spec, layout, source, pending, batch_id, timing))
             if pending is not None:
                 stats["tables"].setdefault(spec.qualified, {})["truncated_before"] = list(cut[:2])
         if dead:
-            tasks.append(functools.partial(_write_dead_letters, ctx, functools.reduce(DataFrame.unionByName, dead),
-                                           app, batch_id, stats["dead_letters"]))
+            poison = functools.reduce(DataFrame.unionByName, dead)
+            tasks.append(functools.partial(_write_dead_letters, spark, ctx, poison, app, batch_id,
+                                           stats["dead_letters"]))
         _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism", DEFAULT_PARALLELISM)), spark)
         for spec, _, _, _, cut, _ in work:
             if cut is not None:
@@ -812,39 +811,48 @@ def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:
 
 def _write_bronze(spark: SparkSession, ctx: MergeContext, spec: TableSpec, decoded: DataFrame, app: str,
                   batch_id: int, timing: dict) -> None:
-    """Append a table's good rows to its bronze change log, once per micro-batch.
-
-    Each append's commit carries ``userMetadata`` {"merge_batch": <app>/<schema.table>, "batch": id}. A
-    batch this process has not appended itself since it started (the first one, or any after a failed
-    batch) is first looked up in the table's last BRONZE_HISTORY_COMMITS commits and skipped when found.
-    Delta's txnAppId would do the same but rebuilds the table's whole state on every append.
-    """
+    """Append a table's good rows to its bronze change log, once per micro-batch."""
     began = time.monotonic()
     bronze = bronze_path(ctx.conf, spec)
-    marker = f"{app}/{spec.qualified}"
     rows = bronze_rows(decoded)
     if ctx.ready.get(bronze) != rows.schema:
         _ensure_table(spark, bronze, rows.schema)
         ctx.ready[bronze] = rows.schema
-    done = ctx.appended.get(bronze)
-    if done is None or ctx.failure is not None:
-        done = _appended_batch(spark, bronze, marker)
-    if done is not None and done >= batch_id:
-        log.info("merge batch %s: bronze %s already holds this batch (a retried batch): not appended again",
-                 batch_id, bronze)
-    else:
-        rows.write.format("delta").mode("append").option("mergeSchema", "true") \
-            .option("userMetadata", json.dumps({"merge_batch": marker, "batch": batch_id})).save(bronze)
-    ctx.appended[bronze] = batch_id
+    _append_once(spark, ctx, bronze, rows, f"{app}/{spec.qualified}", batch_id, mergeSchema="true")
     timing.update(bronze_s=round(time.monotonic() - began, 2), bronze_at=time.time())
     _fire(ctx, "after_bronze", batch_id, spec)
+
+
+def _append_once(spark: SparkSession, ctx: MergeContext, path: str, frame: DataFrame, marker: str, batch_id: int,
+                 **options: str) -> None:
+    """Append frame to a Delta table unless this micro-batch's append under marker is already there.
+
+    The commit carries ``userMetadata`` {"merge_batch": marker, "batch": id}. A batch this context has
+    not appended itself (the first one, or any after a failed batch) is first looked up in the table's
+    last APPEND_HISTORY_COMMITS commits and skipped when found. Delta's txnAppId would do the same but
+    rebuilds the table's whole state on every append.
+    """
+    done = ctx.appended.get(path)
+    if done is None or ctx.failure is not None:
+        done = _appended_batch(spark, path, marker)
+    if done is not None and done >= batch_id:
+        log.info("merge batch %s: %s already holds this batch (a retried batch): not appended again", batch_id, path)
+    else:
+        writer = frame.write.format("delta").mode("append") \
+            .option("userMetadata", json.dumps({"merge_batch": marker, "batch": batch_id}))
+        for key, value in options.items():
+            writer = writer.option(key, value)
+        writer.save(path)
+    ctx.appended[path] = batch_id
 
 
 def _appended_batch(spark: SparkSession, path: str, marker: str) -> int | None:
     """The newest micro-batch id appended under marker, from the table's last commits (None: none there)."""
     from delta.tables import DeltaTable
 
-    for row in DeltaTable.forPath(spark, path).history(BRONZE_HISTORY_COMMITS).select("userMetadata").collect():
+    if not DeltaTable.isDeltaTable(spark, path):
+        return None
+    for row in DeltaTable.forPath(spark, path).history(APPEND_HISTORY_COMMITS).select("userMetadata").collect():
         try:
             meta = json.loads(row["userMetadata"] or "{}")
         except ValueError:
@@ -863,10 +871,10 @@ def _write_silver(spark: SparkSession, ctx: MergeContext, spec: TableSpec, layou
     _fire(ctx, "after_silver", batch_id, spec)
 
 
-def _write_dead_letters(ctx: MergeContext, frame: DataFrame, app: str, batch_id: int, reasons: dict) -> None:
-    """Append the batch's poison messages to the dead-letter table (idempotent like bronze)."""
-    frame.write.format("delta").mode("append").option("txnAppId", f"{app}/_dead_letter") \
-        .option("txnVersion", batch_id).save(dead_letter_path(ctx.conf))
+def _write_dead_letters(spark: SparkSession, ctx: MergeContext, frame: DataFrame, app: str, batch_id: int,
+                        reasons: dict) -> None:
+    """Append the batch's poison messages to the dead-letter table, once per micro-batch like bronze."""
+    _append_once(spark, ctx, dead_letter_path(ctx.conf), frame, f"{app}/_dead_letter", batch_id)
     log.warning("merge batch %s: %s message(s) went to the dead-letter table %s: %s", batch_id,
                 sum(reasons.values()), dead_letter_path(ctx.conf), reasons)
 
