@@ -94,8 +94,13 @@ class Plan:
         self._tx = self._tx_parts = None
         self._fast = False
 
-    def set_ids(self, key_id: int, value_id: int) -> None:
-        """Attach the registry ids and compile the wire-format encoders (checked against each other)."""
+    def set_ids(self, key_id: int, value_id: int, wide_key_id: int | None = None, widened: tuple = ()) -> None:
+        """Attach the registry ids and compile the wire-format encoders (checked against each other).
+
+        widened: positions of key fields that were int in the topic's first key schema (key_id) and are long
+        now; a key whose values there all fit in 32 bits keeps key_id (its bytes never change), wider ones
+        use wide_key_id.
+        """
         self.key_id, self.value_id = key_id, value_id
         self.encode_key = encoder(self.key_schema, key_id)
         self.encode_value = encoder(self.value_schema, value_id)
@@ -104,6 +109,9 @@ class Plan:
             self._key_list = encoder(self.key_schema, key_id, by_index=True)
         else:  # not expected: avro_schemas names key fields like value fields
             self._key_list = lambda key_vals: self.encode_key(dict(zip(self.key_names, key_vals, strict=True)))
+        if widened:
+            self._key_list = _widened_key(self._key_list, encoder(self.key_schema, wide_key_id, by_index=True),
+                                          tuple(widened))
         self._value_prefix = b"\x00" + struct.pack(">I", value_id)
         self._fast = False
         if _envelope_layout_ok(self.value_schema, self.names):
@@ -678,6 +686,16 @@ class _Codegen:
         self.sources.append("\n".join(lines))
         exec(compile("\n\n".join(self.sources), "<avro encoder>", "exec"), self.scope)  # noqa: S102 - our own code
         return self.scope["_root"]
+
+
+def _widened_key(narrow, wide, positions: tuple):
+    """Key encoder that frames a key with the first key schema's id while its widened fields fit in an int."""
+    def encode(values, _narrow=narrow, _wide=wide, _positions=positions) -> bytes:
+        for i in _positions:
+            if not -2_147_483_648 <= values[i] <= 2_147_483_647:
+                return _wide(values)
+        return _narrow(values)
+    return encode
 
 
 def encoder(schema, schema_id: int | None = None, by_index: bool = False):

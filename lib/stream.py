@@ -6,14 +6,14 @@ them). What it guarantees and how:
 
 - **Starts only after the snapshot**: ``control.snapshot_state(conf, slot)`` must be ``complete``
   (notebook 02); it then resumes at the slot's confirmed position (START_REPLICATION 0).
-- **At-least-once**: a transaction's end LSN is acknowledged to PostgreSQL (``send_feedback``)
+- **At-least-once**: a transaction's end LSN is acknowledged to PostgreSQL (``lib.replication``)
   only when Kafka acknowledged every message of it and of every earlier transaction. After a
   crash the server resends everything after the acknowledged position; duplicates carry the same
   ``(commit_lsn, event_serial)``, so consumers drop them.
 - **Memory stays bounded**: a regular transaction's Begin already carries its commit LSN and time,
   so its changes are sent as they arrive (nothing is held until Commit). A transaction the server
   streams while still in progress (protocol 2, ``streaming on``) is spooled to a temp file per
-  top-level xid (``spool_dir``, default the system temp dir: it needs room for the largest
+  top-level xid (``source.spool_dir`` in conf, default the system temp dir: it needs room for the largest
   transaction), with the changes of rolled-back subtransactions dropped, and replayed at Stream Commit.
   The Kafka producer's queue is capped (64 MB / 100k messages); when full, the capture waits.
 - **Idle slots move**: with nothing in flight the capture acknowledges the server's keepalive
@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import select
 import shutil
 import signal
 import struct
@@ -59,10 +58,11 @@ from collections import Counter, deque
 
 import psycopg2
 import psycopg2.errors
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from lib import catalog, config, control, events, incremental, pgtypes, schema_registry, source
+from lib import catalog, config, control, events, incremental, pgtypes, replication, schema_registry, source
 from lib.avro_schemas import topic_name
 from lib.pgoutput import Decoder, PgOutputError, lsn_to_str, str_to_lsn
 
@@ -179,7 +179,7 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
     handlers = _install_signal_handlers(st)
     failure: BaseException | None = None
     try:
-        _open(st, pg_options, spool_dir)
+        _open(st, pg_options, spool_dir or config.get(conf, "source.spool_dir", None))
         try:
             _loop(st)
         except psycopg2.Error as exc:
@@ -268,17 +268,18 @@ def _open(st: _State, pg_options: str, spool_dir: str | None) -> None:
     st.producer = Producer(settings)
     options = f"{pgtypes.session_options()} {pg_options}".strip()
     st.repl = source.connect(conf, replication=True, options=options)
-    st.cursor = st.repl.cursor()
+    cursor = st.repl.cursor()
     version = st.repl.server_version
     proto = {"proto_version": "2", "streaming": "on", "messages": "true"} if version >= 140000 else {
         "proto_version": "1"}
     try:
-        st.cursor.start_replication(slot_name=st.slot, decode=False, start_lsn=0, status_interval=STATUS_INTERVAL_S,
+        cursor.start_replication(slot_name=st.slot, decode=False, start_lsn=0, status_interval=STATUS_INTERVAL_S,
                                     options={**proto, "publication_names": _quote_ident(st.publication)})
     except psycopg2.Error as exc:
         raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; check that no other "
                           f"capture uses the slot and that publication {st.publication} exists") from exc
-    st.cursor.send_feedback(flush_lsn=st.acked, write_lsn=st.acked)
+    st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acked)  # psycopg2 reads nothing from here on
+    st.cursor.send_status()
     st.sent_feedback = st.acked
     _remove_stale_spools(st.slot, spool_dir)  # only now: the slot is ours, no other capture of it runs
     st.spool_dir = tempfile.mkdtemp(prefix=f"cdc-stream-{st.slot}-", dir=spool_dir)
@@ -349,7 +350,8 @@ def _close(st: _State, failure: BaseException | None) -> BaseException | None:
             st.caught_up = st.stop_reason == "caught_up" and all(t[3] >= st.target for t in st.inflight)
     if st.cursor is not None:
         with contextlib.suppress(psycopg2.Error):
-            st.cursor.send_feedback(flush_lsn=st.acked, write_lsn=st.acked, force=True)
+            st.cursor.acknowledge(st.acked)
+            st.cursor.send_status()
             st.sent_feedback = st.acked
     for conn in (st.repl, st.sql):
         if conn is not None:
@@ -375,7 +377,7 @@ def _close(st: _State, failure: BaseException | None) -> BaseException | None:
 
 def _loop(st: _State) -> None:
     """Read replication messages; between batches serve Kafka callbacks, acks, heartbeats, metrics and stops."""
-    read = st.cursor.read_message
+    read = st.cursor.read
     poll = st.producer.poll
     busy = 0
     while True:
@@ -393,25 +395,28 @@ def _loop(st: _State) -> None:
         if _tick(st):
             return
         if message is None:
-            select.select([st.cursor], [], [], 0.2)
+            st.cursor.wait(0.2)
 
 
-def _handle(st: _State, message) -> None:
-    """Dispatch one replication message."""
-    payload = message.payload
+def _handle(st: _State, message: tuple[int, bytes]) -> None:
+    """Dispatch one replication message (data start, payload)."""
+    data_start, payload = message
     if st.decoder.in_stream and payload[0] in _SPOOLED:
-        spool = st.spools[st.stream_xid]
-        spool[0].write(_RECORD.pack(message.data_start, len(payload)))
-        spool[0].write(payload)
+        try:
+            spool = st.spools[st.stream_xid][0]
+            spool.write(_RECORD.pack(data_start, len(payload)))
+            spool.write(payload)
+        except OSError as exc:
+            raise _spool_error(st, st.stream_xid, exc) from exc
         return
     try:
         m = st.decoder.decode(payload)
     except PgOutputError as exc:
-        raise StreamError(f"malformed pgoutput message at LSN {lsn_to_str(message.data_start)}: {exc}; the slot "
+        raise StreamError(f"malformed pgoutput message at LSN {lsn_to_str(data_start)}: {exc}; the slot "
                           f"stays at {lsn_to_str(st.acked)}; report this with the server version") from exc
     kind = m.kind
     if kind in "IUD":
-        _change(st, m, message.data_start)
+        _change(st, m, data_start)
     elif kind == "B":
         _begin(st, m.final_lsn, m.xid, m.commit_ts)
     elif kind == "C":
@@ -419,7 +424,7 @@ def _handle(st: _State, message) -> None:
     elif kind == "R":
         _relation(st, m)
     elif kind == "T":
-        _truncate(st, m, message.data_start)
+        _truncate(st, m, data_start)
     elif kind == "S":
         _stream_start(st, m)
     elif kind == "E":
@@ -500,7 +505,8 @@ def _produce(st: _State, plan: events.Plan, pairs: list) -> None:
             except KafkaException as exc:
                 tracker[0] -= 1
                 raise DeliveryError(f"cannot produce to topic {topic} (table {plan.qualified}): "
-                                    f"{exc.args[0].str()}; the slot stays at {lsn_to_str(st.acked)}") from exc
+                                    f"{exc.args[0].str()}{_size_remedy(exc.args[0], topic, len(v or b''))}; the "
+                                    f"slot stays at {lsn_to_str(st.acked)}") from exc
         if v is None:
             st.tombstones += 1
         else:
@@ -521,29 +527,39 @@ def _advance(st: _State) -> None:
         st.last_commit_ms = t[2]
         moved = True
     if moved:
-        st.cursor.send_feedback(flush_lsn=st.acked, write_lsn=st.acked)
+        st.cursor.acknowledge(st.acked)
     if st.delivery_errors:
         topic, partition, err = st.delivery_errors[0]
         raise DeliveryError(
-            f"Kafka did not accept an event for topic {topic} partition {partition}: {err.str()} ({err.name()}), "
+            f"Kafka did not accept an event for topic {topic} partition {partition}: {err.str()} ({err.name()})"
+            f"{_size_remedy(err, topic)}, "
             f"after the producer's retries (message.timeout.ms); the capture stopped without acknowledging it: "
             f"the slot stays at {lsn_to_str(st.acked)} and a restart resends everything after that. Check the "
             f"brokers at {config.get(st.conf, 'kafka.bootstrap_servers')} and the topic (notebook 01)")
 
 
+def _size_remedy(err: KafkaError, topic: str, size: int | None = None) -> str:
+    """For a message too large for Kafka: which settings bound it and how to raise them."""
+    if err.code() != KafkaError.MSG_SIZE_TOO_LARGE:
+        return ""
+    return (f" (the event{f' is {size:,} bytes' if size else ''}; an event holds a whole row, before and after). "
+            f"Raise the limits together: the topic's max.message.bytes (kafka-configs --alter --entity-type topics "
+            f"--entity-name {topic} --add-config max.message.bytes=N), the producer's message.max.bytes "
+            f"(kafka.producer in conf), and for the merge the consumer's max.partition.fetch.bytes; or keep such "
+            f"values out of the published columns. The capture never skips the row")
+
+
 def _ack(st: _State, lsn: int) -> None:
     if lsn > st.acked:
         st.acked = lsn
-        st.cursor.send_feedback(flush_lsn=lsn, write_lsn=lsn)
+        st.cursor.acknowledge(lsn)
 
 
 def _idle(st: _State) -> None:
     """Nothing to read: with nothing pending, acknowledge the server's position (an idle slot must not pin WAL).
 
-    Never asks the server for a reply (keepalive): psycopg2 moves its flush position to a keepalive's
-    position when the last message's start is at or below the explicitly flushed one, and a keepalive
-    that arrives between a Relation message (start 0) and its change could skip an unacknowledged
-    transaction. The server pings by itself when it waits for WAL and our flush is behind.
+    The keepalive's position is safe then: the server sends every transaction committed below it
+    before the keepalive itself.
     """
     if not st.inflight and st.tx is None and not st.spools and not st.decoder.in_stream:
         _ack(st, st.cursor.wal_end)
@@ -560,7 +576,7 @@ def _keepalive(st: _State, quiet: bool = False) -> None:
         return
     st.last_feedback = now
     try:
-        st.cursor.send_feedback(force=True)
+        st.cursor.send_status()
     except psycopg2.Error:
         if not quiet:
             raise
@@ -578,7 +594,7 @@ def _tick(st: _State) -> bool:
     elif st.until == "caught_up" and _caught_up(st):
         st.stop_reason = "caught_up"
     if st.acked != st.sent_feedback and now - st.last_feedback >= 1.0:
-        st.cursor.send_feedback(force=True)
+        st.cursor.send_status()
         st.sent_feedback, st.last_feedback = st.acked, now
     if st.heartbeat_s and now - st.last_heartbeat >= st.heartbeat_s:
         st.last_heartbeat = now
@@ -695,7 +711,7 @@ def _build_plan(st: _State, relation) -> events.Plan:
     subjects = schema_registry.subjects(plan.topic)
     previous = _columns(st.tables[qualified]) if qualified in st.tables else _registered_columns(st, subjects[1])
     try:
-        key_id, _, _ = schema_registry.register(st.registry, subjects[0], plan.key_schema)
+        key_id, wide_key_id, widened = _key_ids(st, plan, subjects[0], stopped)
         value_id, version, status = schema_registry.register(st.registry, subjects[1], plan.value_schema)
     except schema_registry.IncompatibleSchemaError as exc:
         raise SchemaChangeError(
@@ -705,7 +721,7 @@ def _build_plan(st: _State, relation) -> events.Plan:
     except schema_registry.RegistryError as exc:
         raise StreamError(f"table {qualified}: {exc}; {stopped}") from exc
     _keepalive(st, quiet=True)
-    plan.set_ids(key_id, value_id)
+    plan.set_ids(key_id, value_id, wide_key_id, widened)
     st.tables[qualified] = table
     entry = {"table": qualified, "subject": subjects[1], "version": version, "id": value_id, "status": status}
     if status == "registered":
@@ -714,6 +730,62 @@ def _build_plan(st: _State, relation) -> events.Plan:
     st.log(f"schema    {subjects[1]} version {version} ({status})" + (f": {entry['change']}" if "change" in entry
                                                                        else ""))
     return plan
+
+
+def _key_ids(st: _State, plan: events.Plan, subject: str, stopped: str) -> tuple[int, int | None, tuple]:
+    """Registry ids for the table's keys such that a row's key bytes never change while it keeps its topic.
+
+    A compacted topic forgets a key only when a tombstone with the same bytes arrives; the schema id is
+    part of those bytes. So the topic's first key schema stays in use while the key encodes the same:
+    annotations (pg.type) may change, int may widen to long (wider values get the long schema's id).
+    Anything else (other key columns, another type) is refused: it needs a new topic.
+    Returns (first key id, id for widened values or None, positions of widened fields).
+    """
+    try:
+        versions = st.registry.get_versions(subject)
+    except SchemaRegistryError as exc:
+        if exc.http_status_code != 404:
+            raise schema_registry.RegistryError(f"subject {subject}: {exc}") from exc
+        versions = []
+    except Exception as exc:  # noqa: BLE001 - connection errors of the registry client
+        raise schema_registry.RegistryError(f"cannot reach the schema registry for subject {subject}: "
+                                            f"{type(exc).__name__}: {exc}; check registry.url in conf") from exc
+    if not versions:
+        key_id, _, _ = schema_registry.register(st.registry, subject, plan.key_schema)
+        return key_id, None, ()
+    first = st.registry.get_version(subject, versions[0])
+    old = _key_signature(json.loads(first.schema.schema_str))
+    new = _key_signature(plan.key_schema)
+    remedy = (f"{stopped}. Compaction keeps a key only under the exact bytes it was written with, so a new key needs "
+              f"a new topic: restore the key, or re-key the table (remove it with python -m lib.incremental remove, "
+              f"delete topic {plan.topic}, its subjects and its Delta tables, then add it again with python -m "
+              f"lib.incremental add, which reads it anew)")
+    if [name for name, _ in old] != [name for name, _ in new]:
+        was, now = ", ".join(n for n, _ in old), ", ".join(n for n, _ in new)
+        raise SchemaChangeError(f"table {plan.qualified}: the primary key changed from ({was}) to ({now}); {remedy}")
+    widened = []
+    for i, ((name, was), (_, now)) in enumerate(zip(old, new, strict=True)):
+        if was == now:
+            continue
+        if (was, now) != ('"int"', '"long"'):
+            raise SchemaChangeError(f"table {plan.qualified}: key column {name} changed type ({was} -> {now} in "
+                                    f"Avro), which changes every key's bytes; {remedy}")
+        widened.append(i)
+    if not widened:
+        return first.schema_id, None, ()
+    wide_id, _, _ = schema_registry.register(st.registry, subject, plan.key_schema)
+    return first.schema_id, wide_id, tuple(widened)
+
+
+def _key_signature(schema: dict) -> list[tuple[str, str]]:
+    """(field, Avro type without annotations) per key field: what decides a key's bytes besides the schema id."""
+    def bare(avro):
+        if isinstance(avro, dict):
+            return {k: bare(v) for k, v in avro.items() if not k.startswith("pg.") and k not in ("doc", "default")}
+        if isinstance(avro, list):
+            return [bare(v) for v in avro]
+        return avro
+    return [(f["name"], json.dumps(bare(f["type"]), sort_keys=True)) for f in schema["fields"]]
 
 
 def _quote(name: str) -> str:
@@ -828,13 +900,25 @@ def _stream_start(st: _State, m) -> None:
         spool = None
     if spool is None:
         path = os.path.join(st.spool_dir, f"xid-{m.xid}.spool")
-        st.spools[m.xid] = [open(path, "w+b", buffering=1 << 20), set(), path]  # noqa: SIM115 - closed in _drop_spool
+        try:
+            st.spools[m.xid] = [open(path, "w+b", buffering=1 << 20), set(), path]  # noqa: SIM115 - see _drop_spool
+        except OSError as exc:
+            raise _spool_error(st, m.xid, exc) from exc
+
+
+def _spool_error(st: _State, xid: int, exc: OSError) -> StreamError:
+    return StreamError(
+        f"cannot write the spool of in-progress transaction {xid} in {st.spool_dir}: {exc.strerror or exc}. The "
+        f"server streams transactions larger than logical_decoding_work_mem while they run, and the capture keeps "
+        f"them on disk until they commit: free space there, or set source.spool_dir (conf) to a folder with room "
+        f"for the largest transaction. The slot stays at {lsn_to_str(st.acked)}; a restart resumes there")
 
 
 def _drop_spool(st: _State, xid: int) -> None:
     spool = st.spools.pop(xid, None)
     if spool is not None:
-        spool[0].close()
+        with contextlib.suppress(OSError):  # buffered bytes that cannot be written any more are not needed
+            spool[0].close()
         with contextlib.suppress(OSError):
             os.unlink(spool[2])
 
@@ -862,7 +946,10 @@ def _stream_commit(st: _State, m) -> None:
 def _replay(st: _State, spool: list) -> bool:
     """Send the spooled changes in order, skipping rolled-back subtransactions; False when stopped midway."""
     file, aborted = spool[0], spool[1]
-    file.flush()
+    try:
+        file.flush()
+    except OSError as exc:
+        raise _spool_error(st, st.tx.txid, exc) from exc
     file.seek(0)
     decoder = Decoder()
     decoder.in_stream = True  # spooled messages carry the xid of their (sub)transaction

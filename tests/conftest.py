@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from types import SimpleNamespace
 
 import psycopg2
 import pytest
 from psycopg2 import sql
 
-from lib import config, sample_db, source, spark, stack
+from lib import bootstrap, config, control, sample_db, source, spark, stack, teardown
+from lib.pgoutput import str_to_lsn
 
 
 @pytest.fixture(scope="session")
@@ -97,3 +100,54 @@ def drop_replication_slot(conf: dict, slot: str, timeout: float = 30.0) -> None:
 def drop_slot():
     """drop_slot(conf, slot): remove a test's replication slot once nothing streams from it."""
     return drop_replication_slot
+
+
+@pytest.fixture
+def small_source(live_stack, scratch_database, drop_slot):
+    """small_source(ddl) -> (conf, admin connection, schema): tables made by ddl in a fresh schema, published,
+    with topics, schemas, a slot and a complete (empty) snapshot, so the capture streams every later change.
+
+    ddl is SQL with {s} for the schema; every table it creates is captured. Dropped afterwards.
+    """
+    made = []
+
+    def make(ddl: str, **overrides) -> SimpleNamespace:
+        tag = uuid.uuid4().hex[:8]
+        schema = f"src_{tag}"
+        admin = source.connect(live_stack, admin=True, dbname=scratch_database)
+        admin.autocommit = True
+        user = sql.Identifier(config.get(live_stack, "source.user"))
+        with admin.cursor() as cur:
+            cur.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+            cur.execute(ddl.format(s=schema))
+            cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {0} TO {1}; GRANT SELECT ON ALL TABLES IN SCHEMA {0} TO {1}")
+                        .format(sql.Identifier(schema), user))
+            cur.execute("SELECT relname FROM pg_class WHERE relnamespace = %s::regnamespace AND relkind IN ('r', 'p') "
+                        "AND NOT relispartition ORDER BY relname", (schema,))
+            tables = [f"{schema}.{row[0]}" for row in cur.fetchall()]
+        env = {"CDC__SOURCE__DATABASE": scratch_database, "CDC__SOURCE__SLOT": f"src_{tag}",
+               "CDC__SOURCE__PUBLICATION": f"src_{tag}", "CDC__SOURCE__TABLES": repr(tables),
+               "CDC__SOURCE__KEYS": "{}", "CDC__KAFKA__TOPIC_PREFIX": f"cdc-test-{tag}-src", **overrides}
+        conf = config.apply_overrides(live_stack, env)
+        made.append((conf, admin, schema))
+        bootstrap.run(conf, log=lambda *a, **k: None)
+        slot = config.get(conf, "source.slot")
+        repl = source.connect(conf, replication=True)
+        with repl.cursor() as cur:
+            cur.execute(f'CREATE_REPLICATION_SLOT "{slot}" LOGICAL pgoutput')
+            consistent = cur.fetchone()[1]
+        repl.close()
+        control.put(conf, f"snapshot/{slot}", {"state": "complete", "consistent_lsn": str_to_lsn(consistent),
+                                               "rows": {}})
+        return SimpleNamespace(conf=conf, admin=admin, schema=schema, tables=tables)
+
+    yield make
+    for conf, admin, schema in made:
+        drop_slot(conf, config.get(conf, "source.slot"))
+        with admin.cursor() as cur:
+            cur.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(
+                sql.Identifier(config.get(conf, "source.publication"))))
+            cur.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+        admin.close()
+        with contextlib.suppress(Exception):
+            teardown.delete_prefix(conf, config.get(conf, "kafka.topic_prefix"))

@@ -1,0 +1,140 @@
+"""The replication connection's wire protocol: read messages, and report only the position the capture chose.
+
+**Operators: the position sent here becomes the slot's ``confirmed_flush_lsn``; PostgreSQL never
+resends a transaction that committed below it. Report a position only after Kafka acknowledged every
+event at or below it, or those events are lost when the capture restarts.**
+
+psycopg2 starts replication (``start_replication``) and keeps the connection; this module then reads
+and writes the COPY stream through the same libpq connection. psycopg2's own ``read_message`` is not
+used because it moves its flush position to a server keepalive's WAL end whenever the flushed
+position is at or above the last message's start. Begin, Stream Start/Stop, changes of interleaved
+transactions and Relation messages (start 0) all start at or below positions already confirmed, so
+a keepalive after one of them would confirm transactions Kafka has not acknowledged (psycopg2
+2.9, ``pq_read_replication_message``). Here, the status message always carries the position given to
+``acknowledge``, nothing else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import select
+import struct
+import time
+
+import psycopg2
+import psycopg2._psycopg
+
+_XLOGDATA = struct.Struct(">QQq")  # data start, WAL end, send time
+_KEEPALIVE = struct.Struct(">QqB")  # WAL end, send time, reply requested
+_STATUS = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, send time, reply requested
+_PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in microseconds since 1970-01-01
+_PGRES_FATAL_ERROR = 7
+
+
+def _libpq() -> ctypes.CDLL:
+    """libpq's functions as psycopg2 links them (the same library instance that owns its connections)."""
+    lib = ctypes.CDLL(psycopg2._psycopg.__file__)
+    conn, res, buf = ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_char)
+    for name, restype, argtypes in (
+            ("PQgetCopyData", ctypes.c_int, [conn, ctypes.POINTER(buf), ctypes.c_int]),
+            ("PQputCopyData", ctypes.c_int, [conn, ctypes.c_char_p, ctypes.c_int]),
+            ("PQflush", ctypes.c_int, [conn]),
+            ("PQconsumeInput", ctypes.c_int, [conn]),
+            ("PQfreemem", None, [ctypes.c_void_p]),
+            ("PQerrorMessage", ctypes.c_char_p, [conn]),
+            ("PQgetResult", res, [conn]),
+            ("PQresultStatus", ctypes.c_int, [res]),
+            ("PQresultErrorMessage", ctypes.c_char_p, [res]),
+            ("PQclear", None, [res])):
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
+_pq = _libpq()
+
+
+class Stream:
+    """A started replication connection: ``read()`` messages, ``acknowledge()`` positions, ``send_status()``."""
+
+    def __init__(self, connection, status_interval_s: float = 5.0, acknowledged: int = 0) -> None:
+        self.connection = connection
+        self._conn = ctypes.c_void_p(connection.pgconn_ptr)
+        self._buf = ctypes.POINTER(ctypes.c_char)()
+        self.status_interval_s = status_interval_s
+        self.flushed = acknowledged  # the only position ever reported to the server
+        self.wal_end = 0  # the furthest WAL position the server said it has sent (messages and keepalives)
+        self.last_status = 0.0  # time.monotonic() of the last status message
+
+    def fileno(self) -> int:
+        return self.connection.fileno()
+
+    def read(self) -> tuple[int, bytes] | None:
+        """The next XLogData message as (data start, payload), or None when none is waiting."""
+        if time.monotonic() - self.last_status >= self.status_interval_s:
+            self.send_status()
+        consumed = False
+        while True:
+            size = _pq.PQgetCopyData(self._conn, ctypes.byref(self._buf), 1)
+            if size > 0:
+                data = ctypes.string_at(self._buf, size)
+                _pq.PQfreemem(self._buf)
+                kind = data[0]
+                if kind == 0x77:  # 'w' XLogData
+                    start, end, _ = _XLOGDATA.unpack_from(data, 1)
+                    if end > self.wal_end:
+                        self.wal_end = end
+                    return start, data[25:]
+                if kind == 0x6B:  # 'k' primary keepalive: remember the position, answer if asked
+                    end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                    if end > self.wal_end:
+                        self.wal_end = end
+                    if reply:
+                        self.send_status()
+                    consumed = True
+                    continue
+                raise psycopg2.OperationalError(f"unexpected replication message type {chr(kind)!r} from the server")
+            if size == 0:
+                if consumed:
+                    return None
+                if not _pq.PQconsumeInput(self._conn):
+                    raise psycopg2.OperationalError(self._error())
+                consumed = True
+                continue
+            if size == -1:
+                raise psycopg2.OperationalError(self._end_of_copy())
+            raise psycopg2.OperationalError(self._error())
+
+    def acknowledge(self, lsn: int) -> bool:
+        """Remember lsn as flushed (sent with the next status message); True when it moved."""
+        if lsn > self.flushed:
+            self.flushed = lsn
+            return True
+        return False
+
+    def send_status(self, reply: bool = False) -> None:
+        """Send a standby status update carrying the acknowledged position now."""
+        now_us = int(time.time() * 1_000_000) - _PG_EPOCH_US
+        message = _STATUS.pack(b"r", self.flushed, self.flushed, 0, now_us, 1 if reply else 0)
+        if _pq.PQputCopyData(self._conn, message, len(message)) <= 0 or _pq.PQflush(self._conn) != 0:
+            raise psycopg2.OperationalError(self._error())
+        self.last_status = time.monotonic()
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the server sends something or timeout_s passes."""
+        select.select([self], [], [], timeout_s)
+
+    def _error(self) -> str:
+        message = _pq.PQerrorMessage(self._conn)
+        return (message or b"").decode(errors="replace").strip() or "the replication connection failed"
+
+    def _end_of_copy(self) -> str:
+        """Why the server ended the COPY stream (its error message, if it sent one)."""
+        result = _pq.PQgetResult(self._conn)
+        try:
+            if result and _pq.PQresultStatus(result) == _PGRES_FATAL_ERROR:
+                return (_pq.PQresultErrorMessage(result) or b"").decode(errors="replace").strip()
+        finally:
+            if result:
+                _pq.PQclear(result)
+        return "the server ended replication"
