@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from lib import config, topics
@@ -90,3 +90,47 @@ def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
 def snapshot_state(conf: dict, slot: str) -> dict | None:
     """The recorded snapshot state of a slot, or None when no snapshot was started."""
     return read_all(conf).get(f"snapshot/{slot}")
+
+
+class Tail:
+    """The control topic's latest record per key, kept current by reading only what arrived since the last look.
+
+    For a loop that must not block (the capture answers the replication server between looks).
+    """
+
+    def __init__(self, conf: dict) -> None:
+        self.name = topic(conf)
+        self.records: dict[str, dict] = {}
+        self._consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                                   "group.id": f"cdc-control-tail-{time.monotonic_ns()}", "enable.auto.commit": False})
+        self._consumer.assign([TopicPartition(self.name, 0, OFFSET_BEGINNING)])
+        self._next = 0  # the offset after the last record read
+
+    def catch_up(self, timeout: float = 30.0) -> dict[str, dict]:
+        """Read up to the topic's end as of now (blocks up to timeout); the records."""
+        try:
+            _, high = self._consumer.get_watermark_offsets(TopicPartition(self.name, 0), timeout=timeout)
+        except KafkaException as exc:
+            raise ControlError(f"cannot read {self.name}: {exc}; run notebook 01 to create it") from exc
+        deadline = time.monotonic() + timeout
+        while self._next < high:
+            if time.monotonic() >= deadline:
+                raise ControlError(f"reading {self.name} did not reach offset {high} within {timeout:.0f} s")
+            self.poll(min(1.0, deadline - time.monotonic()))
+        return self.records
+
+    def poll(self, budget_s: float = 0.0) -> dict[str, dict]:
+        """Apply what has arrived, waiting at most budget_s; the records."""
+        for message in self._consumer.consume(1000, timeout=budget_s):
+            if message.error():
+                raise ControlError(f"cannot read {self.name}: {message.error()}")
+            key = message.key().decode()
+            if message.value() is None:
+                self.records.pop(key, None)
+            else:
+                self.records[key] = json.loads(message.value())
+            self._next = message.offset() + 1
+        return self.records
+
+    def close(self) -> None:
+        self._consumer.close()

@@ -119,6 +119,7 @@ class _State:
         self.deadline = self.started + max_seconds if max_seconds else None
         self.stop_reason: str | None = None
         self.sql = self.repl = self.cursor = self.producer = self.registry = None
+        self.control: control.Tail | None = None  # the control topic, read as it grows (incremental requests)
         self.spool_dir: str | None = None
         self.topics: dict[str, str] = {}  # configured schema.table -> topic
         self.keys: dict[str, list[str]] = {}  # schema.table -> key columns declared in source.keys
@@ -260,6 +261,8 @@ def _open(st: _State, pg_options: str, spool_dir: str | None) -> None:
         if name in declared:
             st.keys[table.qualified] = declared[name]
     _check_topics(st)
+    st.control = control.Tail(conf)
+    st.control.catch_up()
     _check_incremental(st)
     st.registry = schema_registry.client(conf)
     settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer", None) or {}),
@@ -361,6 +364,8 @@ def _close(st: _State, failure: BaseException | None) -> BaseException | None:
                         cur.execute("SELECT pg_current_wal_lsn()::text")
                         st.server_lsn = str_to_lsn(cur.fetchone()[0])
                 conn.close()
+    if st.control is not None:
+        st.control.close()
     for spool in st.spools.values():
         with contextlib.suppress(OSError):
             spool[0].close()
@@ -692,7 +697,7 @@ def _build_plan(st: _State, relation) -> events.Plan:
     qualified = f"{relation.namespace}.{relation.name}"
     stopped = f"the capture stopped before this change; the slot stays at {lsn_to_str(st.acked)}"
     if qualified not in st.topics:
-        _check_incremental(st)  # a table added live (lib.incremental) is known once its request is read
+        _check_incremental(st, catch_up=True)  # a table added live (lib.incremental) is known once its request is read
     if qualified not in st.topics:
         raise StreamError(
             f"table {qualified} is in publication {st.publication} but not in source.tables "
@@ -984,10 +989,13 @@ def _replay(st: _State, spool: list) -> bool:
 # incremental snapshots (lib/incremental.py): chunks read beside the stream
 
 
-def _check_incremental(st: _State) -> None:
-    """Pick up new incremental snapshot requests from the control topic (a table added live joins st.topics)."""
+def _check_incremental(st: _State, catch_up: bool = False) -> None:
+    """Pick up new incremental snapshot requests from the control topic (a table added live joins st.topics).
+
+    Reads only what arrived since the last look, without waiting (catch_up: up to the topic's end, a few s).
+    """
     try:
-        requests = incremental.pending(st.conf)
+        requests = incremental.pending(st.conf, st.control.catch_up(5.0) if catch_up else st.control.poll())
     except control.ControlError as exc:
         st.log(f"incremental cannot read requests: {exc}")
         return

@@ -6,10 +6,12 @@ import os
 import subprocess
 import tempfile
 import threading
+import time
 
 import pytest
+from confluent_kafka import Producer
 
-from lib import config, source, stream
+from lib import config, control, source, stream
 from lib.pgoutput import str_to_lsn
 
 pytestmark = pytest.mark.stack
@@ -83,3 +85,30 @@ def test_a_full_spool_folder_names_the_folder_and_the_setting(small_source, tiny
     message = str(failures[0])
     assert tiny_folder in message and "source.spool_dir" in message, message
     assert _confirmed(src.conf) <= before
+
+
+def test_the_capture_reads_the_control_topic_without_blocking(small_source):
+    """The capture looks at the control topic between replication messages: each look returns at once."""
+    src = small_source("CREATE TABLE {s}.items (id int PRIMARY KEY)")
+    conf = src.conf
+    producer = Producer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    for i in range(20_000):  # a long history: reading all of it takes far longer than one look may
+        producer.produce(control.topic(conf), key=f"noise/{i}".encode(), value=b'{"n": 1}')
+        if i % 5000 == 0:
+            producer.poll(0)
+    assert producer.flush(30) == 0
+    tail = control.Tail(conf)
+    try:
+        started = time.monotonic()
+        assert len(tail.catch_up()) == 20_001  # the noise and the snapshot record
+        full_read = time.monotonic() - started
+        control.put(conf, "incremental/x/y", {"state": "requested"})
+        slowest, deadline = 0.0, time.monotonic() + 10
+        while "incremental/x/y" not in tail.records:
+            assert time.monotonic() < deadline, "a new record was not seen within 10 s"
+            started = time.monotonic()
+            tail.poll()
+            slowest = max(slowest, time.monotonic() - started)
+        assert slowest < 0.5, f"one look took {slowest:.2f} s (the whole topic: {full_read:.2f} s)"
+    finally:
+        tail.close()
