@@ -6,6 +6,12 @@ One compacted topic per topic prefix, ``<topic_prefix>.__cdc_control``, keyed by
   slot's consistent point, rows per table). Streaming refuses to start before ``complete``.
 - ``truncate/<schema.table>``: the position of the latest TRUNCATE of a table (a truncate has
   no key, so it cannot live in the table's own compacted topic).
+- ``incremental/<slot>/<schema.table>``: an incremental snapshot's request and progress (lib.incremental).
+
+A record that is not a JSON object stops its readers with the offset and the remedy when its key is
+one of these (skipping a truncate would let silver keep deleted rows); other keys are not the
+pipeline's and are ignored with a warning. ``python -m lib.control show|delete KEY`` inspects or
+removes one record.
 
 It lives in Kafka, not in the source database, so the pipeline needs no write access there
 and the state travels with the topics it describes.
@@ -13,7 +19,9 @@ and the state travels with the topics it describes.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
@@ -65,6 +73,7 @@ def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
         except KafkaException as exc:
             raise ControlError(f"cannot read {name}: {exc}; run notebook 01 to create it") from exc
         records: dict[str, dict] = {}
+        bad: dict[str, str] = {}
         if high <= low:
             return records
         consumer.assign([TopicPartition(name, 0, low)])
@@ -75,16 +84,51 @@ def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
                 continue
             if message.error():
                 raise ControlError(f"cannot read {name}: {message.error()}")
-            key = message.key().decode()
-            if message.value() is None:
-                records.pop(key, None)
-            else:
-                records[key] = json.loads(message.value())
+            _apply(records, bad, name, message)
             if message.offset() >= high - 1:
+                _refuse(bad)
                 return records
         raise ControlError(f"reading {name} did not reach offset {high} within {timeout:.0f} s")
     finally:
         consumer.close()
+
+
+PIPELINE_KEYS = ("snapshot/", "truncate/", "incremental/")
+
+
+def _apply(records: dict[str, dict], bad: dict[str, str], name: str, message) -> None:
+    """Fold one control message into records; a pipeline record that is not a JSON object goes to bad."""
+    raw_key = message.key()
+    key = raw_key.decode(errors="replace") if raw_key is not None else ""
+    bad.pop(key, None)  # a later record or tombstone replaces a malformed one
+    if message.value() is None:
+        records.pop(key, None)
+        return
+    try:
+        record = json.loads(message.value())
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except ValueError as exc:
+        where = f"{name} partition {message.partition()} offset {message.offset()} (key {key!r})"
+        records.pop(key, None)
+        if key.startswith(PIPELINE_KEYS):
+            bad[key] = f"the record at {where} is not a JSON object ({exc})"
+        else:
+            print(f"control   ignoring {where}: not a pipeline record and not a JSON object", file=sys.stderr)
+        return
+    records[key] = record
+
+
+def _refuse(bad: dict[str, str]) -> None:
+    """Raise ControlError for the first malformed pipeline record that is still the latest of its key."""
+    if not bad:
+        return
+    key, problem = next(iter(bad.items()))
+    raise ControlError(f"{problem}. The capture and merge cannot tell what it should say, so they stop rather than "
+                       f"guess. Look at it with python -m lib.control show {key!r}; if it was written by hand or by "
+                       f"mistake, remove it with python -m lib.control delete {key!r} (add --target <target>), then "
+                       f"restart; a truncate/ or snapshot/ record may need its table re-snapshotted "
+                       f"(lib.incremental resnapshot)")
 
 
 def snapshot_state(conf: dict, slot: str) -> dict | None:
@@ -101,6 +145,7 @@ class Tail:
     def __init__(self, conf: dict) -> None:
         self.name = topic(conf)
         self.records: dict[str, dict] = {}
+        self._bad: dict[str, str] = {}
         self._consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
                                    "group.id": f"cdc-control-tail-{time.monotonic_ns()}", "enable.auto.commit": False})
         self._consumer.assign([TopicPartition(self.name, 0, OFFSET_BEGINNING)])
@@ -116,21 +161,67 @@ class Tail:
         while self._next < high:
             if time.monotonic() >= deadline:
                 raise ControlError(f"reading {self.name} did not reach offset {high} within {timeout:.0f} s")
-            self.poll(min(1.0, deadline - time.monotonic()))
+            self._read(min(1.0, deadline - time.monotonic()))
+        _refuse(self._bad)
         return self.records
 
     def poll(self, budget_s: float = 0.0) -> dict[str, dict]:
         """Apply what has arrived, waiting at most budget_s; the records."""
+        self._read(budget_s)
+        _refuse(self._bad)
+        return self.records
+
+    def _read(self, budget_s: float) -> None:
         for message in self._consumer.consume(1000, timeout=budget_s):
             if message.error():
                 raise ControlError(f"cannot read {self.name}: {message.error()}")
-            key = message.key().decode()
-            if message.value() is None:
-                self.records.pop(key, None)
-            else:
-                self.records[key] = json.loads(message.value())
+            _apply(self.records, self._bad, self.name, message)
             self._next = message.offset() + 1
-        return self.records
 
     def close(self) -> None:
         self._consumer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m lib.control show|delete KEY [--target T]: one control record, as JSON, or its removal."""
+    parser = argparse.ArgumentParser(prog="python -m lib.control", description=main.__doc__)
+    parser.add_argument("action", choices=("show", "delete"))
+    parser.add_argument("key")
+    parser.add_argument("--target", default=None, help="conf/<target>.yml (default: CDC_TARGET or local)")
+    args = parser.parse_args(argv)
+    conf = config.load(args.target)
+    name = topic(conf)
+    if args.action == "delete":
+        put(conf, args.key, None)
+        print(f"control   wrote a tombstone for {args.key!r} to {name}")
+        return 0
+    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                         "group.id": f"cdc-control-show-{time.monotonic_ns()}", "enable.auto.commit": False})
+    try:
+        try:
+            _, high = consumer.get_watermark_offsets(TopicPartition(name, 0), timeout=30)
+        except KafkaException as exc:
+            print(f"control   cannot read {name}: {exc.args[0].str()}")
+            return 1
+        consumer.assign([TopicPartition(name, 0, OFFSET_BEGINNING)])
+        latest = None
+        while high > 0:
+            message = consumer.poll(5.0)
+            if message is None or message.error():
+                break
+            if message.key() is not None and message.key().decode(errors="replace") == args.key:
+                latest = message
+            if message.offset() >= high - 1:
+                break
+    finally:
+        consumer.close()
+    if latest is None:
+        print(f"control   no record with key {args.key!r} in {name}")
+        return 1
+    value = latest.value()
+    print(f"offset {latest.offset()}: " + ("tombstone" if value is None else value.decode(errors="replace")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
