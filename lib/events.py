@@ -348,16 +348,36 @@ def change_events(plan: Plan, message, lsn: int, tx: Tx, serial: int) -> tuple[l
     return out, serial + len(changes)
 
 
-def encoded_events(plan: Plan, message, lsn: int, tx: Tx, serial: int) -> tuple[list[tuple[bytes, bytes | None]], int]:
-    """change_events() as Confluent wire-format (key, value) bytes; needs plan.set_ids()."""
+def encoded_events(plan: Plan, message, lsn: int, tx: Tx, serial: int) -> tuple[list[tuple[bytes, object]], int]:
+    """change_events() as Confluent wire-format (key, value) bytes; needs plan.set_ids().
+
+    A tombstone's value is the list of Kafka headers to send with it (tombstone_headers), not None.
+    """
     out = []
     changes = _events(plan, message)
     for op, key_vals, before, after, unchanged, offset, tombstone in changes:
         k = plan._key_list(key_vals)
         out.append((k, plan.value_bytes(op, before, after, unchanged, tx, lsn, serial + offset)))
         if tombstone:
-            out.append((k, None))
+            out.append((k, tombstone_headers(tx.commit_lsn, serial + offset)))
     return out, serial + len(changes)
+
+
+POSITION_HEADER = "cdc.position"
+_POSITION = struct.Struct(">qq")
+
+
+def tombstone_headers(commit_lsn: int, event_serial: int) -> list[tuple[str, bytes]]:
+    """Kafka headers of a tombstone: the position of the delete it follows (the merge guards it by that)."""
+    return [(POSITION_HEADER, _POSITION.pack(commit_lsn, event_serial))]
+
+
+def tombstone_position(headers) -> tuple[int, int] | None:
+    """(commit_lsn, event_serial) from a tombstone's headers, or None (e.g. Debezium's tombstones carry none)."""
+    for name, value in headers or ():
+        if name == POSITION_HEADER and value is not None and len(value) == _POSITION.size:
+            return _POSITION.unpack(value)
+    return None
 
 
 def read_event(plan: Plan, tup: tuple, tx: Tx, snapshot: str = "true") -> tuple[dict, dict]:

@@ -53,7 +53,14 @@ Decisions an operator should know (docs/events.md is the event contract):
 Settings (all optional, under ``merge:``): ``query_name``, ``max_offsets_per_trigger`` (100000),
 ``fail_on_data_loss`` (true), ``kafka_options`` (extra Kafka consumer options, values may be secret
 references), ``tombstone_retention_hours`` (168), ``cleanup_interval_minutes`` (60),
-``control_timeout_s`` (30), ``restart_attempts`` (2, run_until_caught_up only), ``parallelism`` (4).
+``control_timeout_s`` (30), ``restart_attempts`` (2, run_until_caught_up only), ``parallelism`` (4),
+``unknown_schema_wait_s`` (30), ``unknown_schema_ids`` (``fail`` or ``dead_letter``).
+
+A writer schema id the registry does not serve (a replica behind, a restore) is asked for again for
+``unknown_schema_wait_s``; then the micro-batch fails naming topic, offset and id, so nothing is set
+aside and a restart retries it. With ``unknown_schema_ids: dead_letter`` such events go to the
+dead-letter table instead and the stream goes on; silver then lacks them until
+``replay_dead_letters(spark, conf)`` re-reads the ones that decode now (position-guarded, so late is safe).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
-from lib import avro_schemas, config, control, debezium, schema_registry, secrets
+from lib import avro_schemas, config, control, debezium, events, schema_registry, secrets
 from lib.catalog import split_name
 
 log = logging.getLogger(__name__)
@@ -84,6 +91,8 @@ DEFAULT_MAX_OFFSETS = 100_000
 DEFAULT_RETENTION_HOURS = 168
 DEFAULT_CLEANUP_MINUTES = 60
 DEFAULT_PARALLELISM = 4
+DEFAULT_UNKNOWN_SCHEMA_WAIT_S = 30.0
+UNKNOWN_SCHEMA_RECHECK_S = 60.0  # a missing id is asked for again after this long
 APPEND_HISTORY_COMMITS = 100  # commits searched for a retried batch's append (bronze, dead letters)
 
 SOURCE_TYPE = T.StructType([T.StructField(name, kind) for name, kind in (
@@ -185,22 +194,37 @@ class Schemas:
     def __init__(self, conf: dict, client=None):
         self.client = client or schema_registry.client(conf)
         self.url = config.get(conf, "registry.url", "")
-        self.by_id: dict[int, dict | None] = {}
+        self.wait_s = float(config.get(conf, "merge.unknown_schema_wait_s", DEFAULT_UNKNOWN_SCHEMA_WAIT_S))
+        self.by_id: dict[int, dict] = {}
+        self.missing: dict[int, float] = {}  # id -> when the registry last said 404 (asked again later)
         self.subject_ids: dict[str, list[int]] = {}  # subject -> ids, oldest version first
         self.spark_types: dict[int, T.DataType] = {}
 
     def writer(self, schema_id: int) -> dict | None:
-        """The parsed writer schema of an id; None when the registry does not know it (404)."""
-        if schema_id not in self.by_id:
+        """The parsed writer schema of an id; None while the registry does not serve it (404 for wait_s)."""
+        if schema_id in self.by_id:
+            return self.by_id[schema_id]
+        missed = self.missing.get(schema_id)
+        if missed is not None and time.monotonic() - missed < UNKNOWN_SCHEMA_RECHECK_S:
+            return None
+        deadline, delay = time.monotonic() + self.wait_s, 0.5
+        while True:
             try:
                 self.by_id[schema_id] = json.loads(self.client.get_schema(schema_id).schema_str)
+                self.missing.pop(schema_id, None)
+                return self.by_id[schema_id]
             except SchemaRegistryError as exc:
                 if exc.http_status_code != 404:
                     raise MergeError(f"schema registry {self.url} failed to return schema id {schema_id} "
                                      f"(HTTP {exc.http_status_code}): {exc.error_message}; check registry.url "
                                      f"and the registry's log") from exc
-                self.by_id[schema_id] = None
-        return self.by_id[schema_id]
+            if time.monotonic() >= deadline:
+                self.missing[schema_id] = time.monotonic()
+                log.warning("schema registry %s does not serve schema id %s (asked for %.0f s)", self.url,
+                            schema_id, self.wait_s)
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     def versions(self, subject: str, refresh: bool = False) -> list[int]:
         """Schema ids of every version of subject, oldest first ([] when the subject does not exist)."""
@@ -315,11 +339,21 @@ def _schema_id(c: Column) -> Column:
 
 
 def headers(raw: DataFrame) -> DataFrame:
-    """Kafka rows -> the same rows plus framing flags and key/value schema ids (nulls when not framed)."""
+    """Kafka rows -> the same rows plus framing flags, key/value schema ids (nulls when not framed) and a
+    tombstone's position (__tlsn, __tserial: the delete it follows, from the capture's Kafka header)."""
+    tlsn = tserial = F.lit(None).cast("long")
+    if "headers" in raw.columns:
+        found = F.filter(F.col("headers"), lambda h: h["key"] == F.lit(events.POSITION_HEADER))
+        pos = F.when(F.size(found) > 0, F.element_at(found, 1)["value"])
+        pos = F.when(F.length(pos) == 16, pos)
+        tlsn = F.conv(F.hex(F.substring(pos, 1, 8)), 16, 10).cast("long")
+        tserial = F.conv(F.hex(F.substring(pos, 9, 8)), 16, 10).cast("long")  # a delete's serial is >= 0
     return raw.select(
         F.col("key").alias("__k"), F.col("value").alias("__v"), "topic", "partition", "offset", "timestamp",
         _framed(F.col("key")).alias("__kf"), _framed(F.col("value")).alias("__vf"),
-        _schema_id(F.col("key")).alias("__kid"), _schema_id(F.col("value")).alias("__vid"))
+        _schema_id(F.col("key")).alias("__kid"), _schema_id(F.col("value")).alias("__vid"),
+        F.when(F.col("value").isNull(), tlsn).alias("__tlsn"),
+        F.when(F.col("value").isNull(), tserial).alias("__tserial"))
 
 
 def _conform(c: Column, src: T.DataType, dst: T.DataType) -> Column:
@@ -380,7 +414,7 @@ def decode(framed: DataFrame, spark: SparkSession, schemas: Schemas, layout: Lay
     body = F.expr("substr(`__v`, 6)")
     kbody = F.expr("substr(`__k`, 6)")
     decoded = [F.col(c) for c in ("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf",
-                                  "__kid", "__vid")]
+                                  "__kid", "__vid", "__tlsn", "__tserial")]
     for i in layout.value_ids:
         decoded.append(F.when(F.col("__vid") == i, from_avro(body, json.dumps(schemas.by_id[i]),
                                                              {"mode": "PERMISSIVE"})).alias(f"__v{i}"))
@@ -398,7 +432,7 @@ def decode(framed: DataFrame, spark: SparkSession, schemas: Schemas, layout: Lay
         key = F.when(F.col("__kid") == i, _conform(F.col(f"__k{i}"), stage.schema[f"__k{i}"].dataType,
                                                    layout.key)).otherwise(key)
     out = stage.select("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf", "__kid", "__vid",
-                       key.alias("__key"), env.alias("__env"))
+                       "__tlsn", "__tserial", key.alias("__key"), env.alias("__env"))
     known_v = F.col("__vid").isin(layout.value_ids) if layout.value_ids else F.lit(False)
     known_k = F.col("__kid").isin(layout.key_ids) if layout.key_ids else F.lit(False)
     first_key = layout.key.fields[0].name if layout.key.fields else None
@@ -492,12 +526,20 @@ def merge_source(decoded: DataFrame, layout: Layout, truncate: tuple[int, int] |
     if moved is not None:
         rows = rows.unionByName(shape(moved, lambda k: before[k], "event", F.lit("d"),
                                       F.lit(None).cast(layout.row)))
-    tombs = good.filter(F.col("__tomb")).select(
+    # a tombstone that carries its delete's position (our capture's) is that delete, guarded like any event;
+    # one without (Debezium's, or written before positions were sent) soft-deletes a live row
+    placed = F.col("__tlsn").isNotNull()
+    tombs = good.filter(F.col("__tomb"))
+    if truncate is not None:
+        tombs = tombs.filter(~placed | (F.col("__tlsn") > truncate[0])
+                             | ((F.col("__tlsn") == truncate[0]) & (F.col("__tserial") > truncate[1])))
+    tombs = tombs.select(
         *[F.col("__key")[k].alias(k) for k in keys], F.lit(None).cast(layout.row).alias("__after"),
-        F.lit(None).cast("string").alias("__op"), F.lit(None).cast("long").alias("__lsn"),
-        F.lit(None).cast("long").alias("__serial"), F.col("partition").alias("__part"),
+        F.when(placed, F.lit("d")).alias("__op"), F.col("__tlsn").alias("__lsn"),
+        F.col("__tserial").alias("__serial"), F.col("partition").alias("__part"),
         F.col("offset").alias("__off"), F.col("timestamp").alias("__ts"),
-        F.array().cast("array<string>").alias("__unchanged"), F.lit("tombstone").alias("__kind"))
+        F.array().cast("array<string>").alias("__unchanged"),
+        F.when(placed, F.lit("event")).otherwise(F.lit("tombstone")).alias("__kind"))
     rows = rows.unionByName(tombs)
     is_event = F.col("__kind") == "event"
     order = F.when(is_event, F.struct("__lsn", "__serial", "__part", "__off"))
@@ -743,6 +785,8 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
                 continue
             pending = cut if truncate_new and _truncate_pending(spark, silver_path(ctx.conf, spec), cut) else None
             layout = _layout(spark, ctx.schemas, spec, set(row["v"]) if row else set(), set(row["k"]) if row else set())
+            if row is not None:
+                _refuse_unknown_ids(ctx, raw, spec, layout, set(row["v"]), set(row["k"]))
             decoded = decode(raw.filter(F.col("topic") == spec.topic), spark, ctx.schemas, layout, batch_id)
             if row is not None:
                 decoded = decoded.persist()
@@ -791,6 +835,62 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     finally:
         for frame in frames:
             frame.unpersist()
+
+
+def _refuse_unknown_ids(ctx: MergeContext, raw: DataFrame, spec: TableSpec, layout: Layout, value_ids: set,
+                        key_ids: set) -> None:
+    """Fail the batch when a writer id is not served (merge.unknown_schema_ids: fail, the default)."""
+    missing_v = {i for i in value_ids if i is not None} - set(layout.value_ids)
+    missing_k = {i for i in key_ids if i is not None} - set(layout.key_ids)
+    if not (missing_v or missing_k) or config.get(ctx.conf, "merge.unknown_schema_ids", "fail") == "dead_letter":
+        return
+    unknown = F.lit(False)
+    if missing_v:
+        unknown = unknown | F.col("__vid").isin(*missing_v)
+    if missing_k:
+        unknown = unknown | F.col("__kid").isin(*missing_k)
+    first = raw.filter((F.col("topic") == spec.topic) & unknown).agg(
+        F.min(F.struct("partition", "offset")).alias("p")).collect()[0]["p"]
+    ids = ", ".join(str(i) for i in sorted(missing_v | missing_k))
+    raise MergeError(
+        f"topic {spec.topic} (table {spec.qualified}): schema id(s) {ids} are not served by the schema registry "
+        f"{ctx.schemas.url} (asked for {ctx.schemas.wait_s:.0f} s), first at partition {first['partition']} offset "
+        f"{first['offset']}. The merge stops rather than set those events aside: nothing is lost, and the batch runs "
+        f"again on restart. Remedy: bring the registry back to a state that serves the id (a replica that caught "
+        f"up, the restored registry storage), or set merge.unknown_schema_ids: dead_letter to let the stream go "
+        f"on and replay the dead letters later with merge.replay_dead_letters(spark, conf)")
+
+
+def replay_dead_letters(spark: SparkSession, conf: dict) -> dict:
+    """Merge dead letters again: those that decode now reach bronze and silver (position-guarded, so late is safe)
+    and leave the dead-letter table; the others stay there with their (new) reason. Returns the batch's counts."""
+    import hashlib
+
+    from delta.tables import DeltaTable
+
+    path = dead_letter_path(conf)
+    if not DeltaTable.isDeltaTable(spark, path):
+        return {"replayed": 0}
+    letters = spark.read.format("delta").load(path).select("key", "value", "topic", "partition", "offset",
+                                                             "timestamp").dropDuplicates(["topic", "partition",
+                                                                                          "offset"])
+    rows = letters.collect()
+    if not rows:
+        return {"replayed": 0}
+    digest = hashlib.sha256(",".join(sorted(f"{r['topic']}/{r['partition']}/{r['offset']}" for r in rows))
+                            .encode()).hexdigest()[:12]
+    query = f"replay-dead-letters-{digest}"  # the same letters replayed again: their appends are found and skipped
+    replay_conf = config.apply_overrides(conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "dead_letter",
+                                                "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "0"})
+    frame = spark.createDataFrame(rows, letters.schema)
+    stats = process_batch(frame, 0, context(replay_conf, query=query, app_id=query))
+    DeltaTable.forPath(spark, path).alias("d").merge(
+        frame.select("topic", "partition", "offset").alias("r"),
+        f"d.topic = r.topic AND d.partition = r.partition AND d.offset = r.offset AND d.query <> '{query}'") \
+        .whenMatchedDelete().execute()
+    still = sum(stats.get("dead_letters", {}).values())
+    log.info("replayed %s dead letter(s): %s merged, %s still dead letters", len(rows), len(rows) - still, still)
+    return {**stats, "replayed": len(rows) - still, "still_dead": still}
 
 
 def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:
@@ -916,6 +1016,7 @@ def kafka_options(conf: dict) -> dict[str, str]:
         # only for a new checkpoint: on a reused one Spark resumes from it and reads a topic added to conf since
         # (lib.incremental add) from its earliest offset (tests/test_incremental.py)
         "startingOffsets": "earliest",
+        "includeHeaders": "true",  # a tombstone's position (lib/events.py tombstone_headers)
         "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger", DEFAULT_MAX_OFFSETS))),
         "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss", True))).lower(),
     }

@@ -501,7 +501,10 @@ def _produce(st: _State, plan: events.Plan, pairs: list) -> None:
         tracker[0] += 1
         while True:
             try:
-                produce(topic, v, k, on_delivery=delivered)
+                if v.__class__ is list:  # a tombstone, with the position of its delete in the headers
+                    produce(topic, None, k, on_delivery=delivered, headers=v)
+                else:
+                    produce(topic, v, k, on_delivery=delivered)
                 break
             except BufferError:  # queue full: let librdkafka deliver
                 st.producer.poll(0.05)
@@ -510,9 +513,9 @@ def _produce(st: _State, plan: events.Plan, pairs: list) -> None:
             except KafkaException as exc:
                 tracker[0] -= 1
                 raise DeliveryError(f"cannot produce to topic {topic} (table {plan.qualified}): "
-                                    f"{exc.args[0].str()}{_size_remedy(exc.args[0], topic, len(v or b''))}; the "
+                                    f"{exc.args[0].str()}{_size_remedy(exc.args[0], topic, len(k) + len(v))}; the "
                                     f"slot stays at {lsn_to_str(st.acked)}") from exc
-        if v is None:
+        if v.__class__ is list:
             st.tombstones += 1
         else:
             st.events += 1

@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 import uuid
 from datetime import date, datetime, timezone
 from decimal import Decimal
+from pathlib import Path
 
 import fastavro
 import pytest
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql import types as T
 
-from lib import avro_schemas, config, control, merge, schema_registry
+from lib import avro_schemas, config, control, events, merge, schema_registry
 from lib.catalog import Column, PgType, Table
 
 pytestmark = pytest.mark.stack
@@ -62,9 +65,10 @@ def make_table(schema: str, name: str, columns: list[tuple[str, str]], key: tupl
     return Table(schema=schema, name=name, oid=0, columns=tuple(cols), primary_key=key, replica_identity="d")
 
 
-ITEMS = make_table("unit", "items", [
+ITEMS_COLUMNS = [
     ("id", "int8"), ("name", "text"), ("amount", "numeric"), ("paid_at", "timestamptz"), ("local_at", "timestamp"),
-    ("due", "date"), ("ref", "uuid"), ("tags", "text[]"), ("big", "text"), ("first name", "text")])
+    ("due", "date"), ("ref", "uuid"), ("tags", "text[]"), ("big", "text"), ("first name", "text")]
+ITEMS = make_table("unit", "items", ITEMS_COLUMNS)
 EVOLVE_V1 = make_table("unit", "evolve", [("id", "int8"), ("name", "text")])
 EVOLVE_V2 = make_table("unit", "evolve", [("id", "int8"), ("name", "text"), ("extra", "text")])
 TRUNC = make_table("unit", "trunc", [("id", "int8"), ("name", "text")])
@@ -139,7 +143,9 @@ def unit_conf(live_stack, run_id, tmp_path_factory):
     prefix = f"cdc-mu-{run_id}"
     conf = config.apply_overrides(live_stack, {
         "CDC__KAFKA__TOPIC_PREFIX": prefix, "CDC__LAKE__ROOT": str(tmp_path_factory.mktemp("merge_unit")),
-        "CDC__SOURCE__TABLES": "[unit.items, unit.evolve, unit.trunc]"})
+        "CDC__SOURCE__TABLES": "[unit.items, unit.evolve, unit.trunc]",
+        # the poison below includes a schema id that will never exist: set it aside without waiting
+        "CDC__MERGE__UNKNOWN_SCHEMA_IDS": "dead_letter", "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "0"})
     control.ensure(conf)
     yield conf
     admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
@@ -398,3 +404,135 @@ def test_a_merge_delta_refuses_for_its_cached_source_runs_again_on_a_checkpointe
     refused = [m for m in run["refused"] if "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION" in m]
     assert refused and all("checkpointed copy of the source" in m for m in refused)
     assert run["silver_after_refused"] == run["silver_after_1"]
+
+
+def test_a_replayed_tombstone_does_not_hide_a_row_inserted_again_later(unit_conf, spark_session):
+    """A tombstone carries its delete's position (Kafka header): alone in a later batch it is that old delete."""
+    conf, spark = unit_conf, spark_session
+    items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
+    feed, headers = Feed(), "headers array<struct<key: string, value: binary>>"
+
+    def frame(messages):  # (key, value, headers) -> Kafka-shaped rows with headers
+        rows = feed.rows(items.topic, [(k, v) for k, v, _ in messages])
+        return spark.createDataFrame([(*row, h) for row, (_, _, h) in zip(rows, messages, strict=True)],
+                                     f"{KAFKA_SCHEMA}, {headers}")
+
+    def tomb(key, lsn):
+        return (*items.tombstone(key), [(k, v) for k, v in events.tombstone_headers(lsn, 0)])
+
+    ctx = merge.context(conf, query="tombs", app_id=f"tombs-{uuid.uuid4().hex[:6]}")
+    merge.process_batch(frame([(*items.event("c", 201, 1000, name="first"), None),
+                               (*items.event("d", 201, 1010), None), tomb(201, 1010),
+                               (*items.event("c", 201, 1020, name="again"), None),
+                               (*items.event("c", 202, 1030, name="kept"), None)]), 0, ctx)
+    # a replay: the old delete's tombstone alone, and a lone tombstone without a position (Debezium's kind)
+    merge.process_batch(frame([tomb(201, 1010), (*items.tombstone(202), None)]), 1, ctx)
+    rows = _rows(spark, conf, "items")
+    assert (rows[201]["name"], rows[201]["_deleted"], rows[201]["_commit_lsn"]) == ("again", False, 1020)
+    assert rows[202]["_deleted"] and rows[202]["_op"] == "tombstone" and rows[202]["_commit_lsn"] == 1030
+    # and a positioned tombstone newer than the row deletes it at that position
+    merge.process_batch(frame([tomb(201, 1040)]), 2, ctx)
+    deleted = _rows(spark, conf, "items")[201]
+    assert (deleted["_deleted"], deleted["_op"], deleted["_commit_lsn"], deleted["name"]) == (True, "d", 1040, "again")
+
+
+def _next_schema_id(registry) -> int:
+    """The id the registry gives the next new schema (Apicurio numbers new contents one after another)."""
+    probe = {"type": "record", "name": "Probe", "fields": [{"name": f"p{uuid.uuid4().hex}", "type": "int"}]}
+    return schema_registry.register(registry, f"probe-{uuid.uuid4().hex[:8]}", probe)[0] + 1
+
+
+def _later_version(writer: Writer, registry, column: str) -> tuple[Writer, int]:
+    """A new value schema version of writer's table (one more column) and the id it will get, not registered yet."""
+    table = make_table("unit", "items", [*ITEMS_COLUMNS, (column, "text")])
+    later = object.__new__(Writer)
+    later.__dict__.update(writer.__dict__)
+    later.table, later.value = table, avro_schemas.value_schema(table, writer.prefix)
+    later.parsed_value = fastavro.parse_schema(later.value)
+    later.names = avro_schemas.field_names(table.columns)
+    later.value_id = _next_schema_id(registry)
+    return later, later.value_id
+
+
+def _register(later: Writer, registry, expected: int) -> None:
+    subject = schema_registry.subjects(later.topic)[1]
+    got = schema_registry.register(registry, subject, later.value)[0]
+    assert got == expected, f"another schema was registered meanwhile (got id {got}, framed {expected}); run again"
+
+
+class _Watching:
+    """The real registry client; notes when it answered 404 for one schema id (so a test can register it then)."""
+
+    def __init__(self, client, schema_id: int):
+        self.client, self.schema_id, self.asked = client, schema_id, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def get_schema(self, schema_id, *args, **kwargs):
+        try:
+            return self.client.get_schema(schema_id, *args, **kwargs)
+        except SchemaRegistryError as exc:
+            if schema_id == self.schema_id and exc.http_status_code == 404:
+                self.asked.set()
+            raise
+
+
+def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf, spark_session):
+    conf = config.apply_overrides(unit_conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "fail",
+                                              "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "20"})
+    registry = schema_registry.client(conf)
+    items = Writer(registry, config.get(conf, "kafka.topic_prefix"), ITEMS)
+    later, schema_id = _later_version(items, registry, "late_a")
+    rows = Feed().rows(items.topic, [later.event("c", 301, 3010, name="late", late_a="x")])
+    ctx = merge.context(conf, query="late", app_id=f"late-{uuid.uuid4().hex[:6]}")
+    watching = _Watching(registry, schema_id)
+    ctx.schemas = merge.Schemas(conf, client=watching)
+
+    def register_once_asked():
+        assert watching.asked.wait(120), "the merge never asked for the schema id"
+        _register(later, registry, schema_id)
+
+    registering = threading.Thread(target=register_once_asked)
+    registering.start()
+    stats = merge.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0, ctx)
+    registering.join()
+    assert stats["dead_letters"] == {}
+    row = _rows(spark_session, conf, "items")[301]
+    assert (row["name"], row["late_a"]) == ("late", "x")
+
+
+def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(unit_conf, spark_session):
+    conf = config.apply_overrides(unit_conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "fail",
+                                              "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "1"})
+    items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
+    framed = b"\x00" + (2_000_000_001).to_bytes(4, "big") + b"\x02"
+    rows = Feed().rows(items.topic, [items.event("c", 310, 3100, name="ok"), (items.key_bytes(311), framed)])
+    with pytest.raises(merge.MergeError, match=rf"topic {items.topic} .*schema id\(s\) 2000000001 .*partition 0 "
+                                               r"offset 1.*unknown_schema_ids: dead_letter"):
+        merge.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                            merge.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
+    assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
+
+
+def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, spark_session):
+    conf = config.apply_overrides(unit_conf, {"CDC__LAKE__ROOT": str(Path(config.get(unit_conf, "lake.root"))
+                                                                     / f"replay-{uuid.uuid4().hex[:6]}")})
+    registry = schema_registry.client(conf)
+    items = Writer(registry, config.get(conf, "kafka.topic_prefix"), ITEMS)
+    later, schema_id = _later_version(items, registry, "late_b")
+    rows = Feed().rows(items.topic, [items.event("c", 321, 3200, name="first"),
+                                     later.event("u", 321, 3210, name="second", late_b="y"),
+                                     (items.key_bytes(322), b"\x00" + items.value_id.to_bytes(4, "big") + b"\xff")])
+    merge.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                        merge.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
+    assert _rows(spark_session, conf, "items")[321]["name"] == "first"
+    _register(later, registry, schema_id)
+    result = merge.replay_dead_letters(spark_session, conf)
+    assert (result["replayed"], result["still_dead"]) == (1, 1)
+    row = _rows(spark_session, conf, "items")[321]
+    assert (row["name"], row["late_b"], row["_commit_lsn"]) == ("second", "y", 3210)
+    left = spark_session.read.format("delta").load(merge.dead_letter_path(conf)).collect()
+    assert [(r["offset"], r["reason"]) for r in left] == [(2, "undecodable")]
+    again = merge.replay_dead_letters(spark_session, conf)  # nothing new decodes: silver and the letters unchanged
+    assert again["replayed"] == 0 and _rows(spark_session, conf, "items")[321]["_commit_lsn"] == 3210

@@ -610,14 +610,16 @@ def test_wire_bytes_equal_the_generic_and_fastavro_encodings(cdc):
                 fast, next_fast = events.encoded_events(plan, message, 5_000 + i, tx, i)
                 slow, next_slow = events.change_events(plan, message, 5_000 + i, tx, i)
                 assert next_fast == next_slow and len(fast) == len(slow)
+                previous_serial = None
                 for (k_bytes, v_bytes), (k_dict, v_dict) in zip(fast, slow, strict=True):
                     assert k_bytes == plan.encode_key(k_dict)
                     reference = io.BytesIO()
                     fastavro.schemaless_writer(reference, parsed_key, k_dict)
                     assert k_bytes[5:] == reference.getvalue()
                     if v_dict is None:
-                        assert v_bytes is None
+                        assert events.tombstone_position(v_bytes) == (tx.commit_lsn, previous_serial)
                         continue
+                    previous_serial = v_dict["source"]["event_serial"]
                     assert v_bytes == plan.encode_value(v_dict), (table.qualified, message.kind)
                     reference = io.BytesIO()
                     fastavro.schemaless_writer(reference, parsed_value, v_dict)
