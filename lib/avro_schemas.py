@@ -71,6 +71,15 @@ def topic_name(topic_prefix: str, table: Table | str) -> str:
     return name
 
 
+def shared_topics(topic_prefix: str, tables) -> dict[str, list[str]]:
+    """Topics that more than one of tables would write (names differing only in characters Kafka does not allow)."""
+    by_topic: dict[str, list[str]] = {}
+    for table in tables:
+        by_topic.setdefault(topic_name(topic_prefix, table), []).append(
+            table.qualified if isinstance(table, Table) else table)
+    return {topic: names for topic, names in by_topic.items() if len(names) > 1}
+
+
 def key_schema(table: Table, topic_prefix: str | None = None, unknown_types: str = "error") -> dict:
     """Avro record 'Key' of the primary key columns (non-null), in key order."""
     if not table.primary_key:

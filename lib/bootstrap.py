@@ -107,6 +107,14 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
             except pgtypes.UnsupportedTypeError as exc:
                 findings.append(Finding(f"{name}: column types mapped to Avro", False, str(exc),
                                         "cast the column or set source.unknown_types: string"))
+    shared = avro_schemas.shared_topics(prefix, tables.values())
+    for topic, names in shared.items():
+        findings.append(Finding(
+            f"one topic per table ({topic})", False, f"{' and '.join(names)} would both write topic {topic}",
+            "Kafka topic names allow only letters, digits, '.', '_' and '-', so these names meet: rename one table, "
+            "or capture one of them with another conf (its own kafka.topic_prefix, slot and publication)"))
+    if tables and not shared:
+        findings.append(Finding("one topic per table", True, f"{len(tables)} distinct topics"))
     return tables, findings
 
 

@@ -62,7 +62,18 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from lib import catalog, config, control, events, incremental, pgtypes, replication, schema_registry, source
+from lib import (
+    avro_schemas,
+    catalog,
+    config,
+    control,
+    events,
+    incremental,
+    pgtypes,
+    replication,
+    schema_registry,
+    source,
+)
 from lib.avro_schemas import topic_name
 from lib.pgoutput import Decoder, PgOutputError, lsn_to_str, str_to_lsn
 
@@ -255,7 +266,11 @@ def _open(st: _State, pg_options: str, spool_dir: str | None) -> None:
         st.target = st.server_lsn = str_to_lsn(cur.fetchone()[0])
     names = list(config.get(conf, "source.tables"))
     declared = config.get(conf, "source.keys", {}) or {}
-    for name, table in catalog.describe_tables(st.sql, names, declared).items():
+    described = catalog.describe_tables(st.sql, names, declared)
+    for topic, shared in avro_schemas.shared_topics(st.prefix, described.values()).items():
+        raise StreamError(f"tables {' and '.join(shared)} would both write topic {topic} (Kafka topic names allow "
+                          f"only letters, digits, '.', '_' and '-'): rename one, or capture it with another conf")
+    for name, table in described.items():
         catalog.check_capturable(table)
         st.topics[table.qualified] = topic_name(st.prefix, table)
         if name in declared:
