@@ -38,10 +38,17 @@ def describe(ref) -> str:
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """NAME=value lines of a dotenv-style file (no interpolation, # comments)."""
+    """NAME=value lines of a dotenv-style file (no interpolation, # comments).
+
+    Refuses a file that users other than its owner may read or write (as ssh does with keys).
+    """
     values = {}
     if not path.is_file():
         return values
+    mode = path.stat().st_mode & 0o777
+    if os.name == "posix" and mode & 0o077:
+        raise SecretError(f"{path} holds secrets but its permissions are {mode:o} (group or others may read or "
+                          f"change it); run chmod 600 {path} and try again")
     for line in path.read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#") or "=" not in line:

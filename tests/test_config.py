@@ -64,6 +64,7 @@ def test_secret_from_environment_first(conf_dir, tmp_path):
     conf = config.load("dev", conf_dir, {})
     file = tmp_path / "secrets.env"
     file.write_text("DEV_PG_PASSWORD=from-file\n")
+    file.chmod(0o600)
     ref = conf["source"]["password"]
     assert secrets.resolve(ref, environ={"DEV_PG_PASSWORD": "from-env"}, secrets_file=file) == "from-env"
     assert secrets.resolve(ref, environ={}, secrets_file=file) == "from-file"
@@ -122,3 +123,17 @@ def test_override_keeps_the_case_of_an_existing_key(tmp_path):
     (tmp_path / "t.yml").write_text("spark:\n  settings:\n    spark.sql.catalogImplementation: in-memory\n")
     conf = config.load("t", tmp_path, {"CDC__SPARK__SETTINGS__SPARK.SQL.CATALOGIMPLEMENTATION": "hive"})
     assert conf["spark"]["settings"] == {"spark.sql.catalogImplementation": "hive"}
+
+
+def test_a_secrets_file_others_may_read_is_refused_naming_it_and_the_remedy(conf_dir, tmp_path):
+    conf = config.load("dev", conf_dir, {})
+    file = tmp_path / "secrets.env"
+    file.write_text("DEV_PG_PASSWORD=from-file\n")
+    file.chmod(0o644)
+    with pytest.raises(secrets.SecretError) as error:
+        secrets.setting(conf, "source.password", environ={}, secrets_file=file)
+    assert str(error.value) == (f"{file} holds secrets but its permissions are 644 (group or others may read or "
+                                f"change it); run chmod 600 {file} and try again")
+    assert "from-file" not in str(error.value)
+    file.chmod(0o600)
+    assert secrets.setting(conf, "source.password", environ={}, secrets_file=file) == "from-file"
