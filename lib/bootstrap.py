@@ -174,28 +174,41 @@ def require(findings: list[Finding]) -> None:
 
 
 def ensure_publication(conf: dict, tables: dict[str, catalog.Table]) -> str:
-    """Create the publication for exactly the configured tables; 'created' or 'exists'; mismatch -> error."""
+    """Create the publication for exactly the configured tables; 'created', 'exists' or 'altered (...)'.
+
+    A partitioned table needs publish_via_partition_root (set on an existing publication too); any
+    other mismatch is an error naming it.
+    """
     name = config.get(conf, "source.publication")
     if not tables:
         raise BootstrapError(f"publication {name}: no tables to publish; the prerequisite checks must pass first")
     wanted = {t.qualified for t in tables.values()}
+    # a partitioned table's changes must come under its own name (its topic), not its partitions' names
+    via_root = any(t.kind == "p" for t in tables.values())
+    result = "exists"
     conn = source.connect(conf, admin=True)
     conn.autocommit = True
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT puballtables, pubinsert AND pubupdate AND pubdelete AND pubtruncate "
+            cur.execute("SELECT puballtables, pubinsert AND pubupdate AND pubdelete AND pubtruncate, pubviaroot "
                         "FROM pg_publication WHERE pubname = %s", (name,))
             row = cur.fetchone()
             if row is None:
                 idents = sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in tables.values())
-                cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name), idents))
+                options = sql.SQL(" WITH (publish_via_partition_root = true)" if via_root else "")
+                cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(sql.Identifier(name), idents,
+                                                                                   options))
                 return "created"
+            if via_root and not row[2]:
+                cur.execute(sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)")
+                            .format(sql.Identifier(name)))
+                result = "altered (publish_via_partition_root)"
             cur.execute("SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = %s",
                         (name,))
             present = {r[0] for r in cur.fetchall()}
     finally:
         conn.close()
-    all_tables, all_ops = row
+    all_tables, all_ops, _ = row
     if all_tables or not all_ops or present != wanted:
         problems = []
         if all_tables:
@@ -210,7 +223,7 @@ def ensure_publication(conf: dict, tables: dict[str, catalog.Table]) -> str:
             f"publication {name} exists but {'; '.join(problems)}. Remedy: make it list exactly source.tables "
             f"(ALTER PUBLICATION {name} SET TABLE ...; a table added to a running pipeline also needs its "
             f"snapshot), or choose another source.publication")
-    return "exists"
+    return result
 
 
 def ensure_topics(conf: dict, tables: dict[str, catalog.Table]) -> dict[str, str]:

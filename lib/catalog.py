@@ -10,6 +10,7 @@ with the pipeline role (SELECT on pg_catalog is enough).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 # pg_type.typtype -> our kind (arrays are base types with an element; see _kind)
@@ -180,6 +181,52 @@ def split_name(name: str) -> tuple[str | None, str]:
     if len(parts) == 2:
         return parts[0], parts[1]
     raise CatalogError(f"table name {name!r} must be schema.table (quote names that contain dots)")
+
+
+def normalize(name: str) -> tuple[str, str]:
+    """A source.tables entry as (schema, table) the way PostgreSQL reads it: unquoted parts fold to lower case,
+    quoted ones keep their case, no schema means public. The one reading of a configured name."""
+    parts, buf, quoted, was_quoted, i = [], [], False, False, 0
+    while i < len(name):
+        ch = name[i]
+        if ch == '"':
+            if quoted and i + 1 < len(name) and name[i + 1] == '"':
+                buf.append('"')
+                i += 1
+            else:
+                quoted, was_quoted = not quoted, True
+        elif ch == "." and not quoted:
+            parts.append(("".join(buf), was_quoted))
+            buf, was_quoted = [], False
+        else:
+            buf.append(ch)
+        i += 1
+    parts.append(("".join(buf), was_quoted))
+    if len(parts) > 2 or quoted or any(not part for part, _ in parts):
+        raise CatalogError(f"table name {name!r} must be schema.table or table, with double quotes around a name "
+                           f"that has dots, capitals or other special characters")
+    folded = [part if was else part.lower() for part, was in parts]
+    return ("public", folded[0]) if len(folded) == 1 else (folded[0], folded[1])
+
+
+def sql_name(schema: str, table: str) -> str:
+    """"schema"."table" as SQL reads it back exactly (case, spaces and quotes kept)."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in (schema, table))
+
+
+def qualified(name: str) -> str:
+    """'schema.table' of a source.tables entry after normalize (no quotes: the form control keys and logs use)."""
+    return ".".join(normalize(name))
+
+
+def path_segment(name: str) -> str:
+    """A schema or table name as one folder of a lake path: as it is, unless it could leave its folder or
+    confuse a Hadoop path ('/', '\\', ':', a leading '.'), then made safe and suffixed with a hash of the name
+    so that two names never share a folder."""
+    if name and not any(ch in name for ch in "/\\:") and not name.startswith("."):
+        return name
+    safe = "".join(ch if ch.isalnum() or ch in " _-" else "_" for ch in name).strip() or "_"
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 _TABLES_SQL = """

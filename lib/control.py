@@ -7,6 +7,8 @@ One compacted topic per topic prefix, ``<topic_prefix>.__cdc_control``, keyed by
 - ``truncate/<schema.table>``: the position of the latest TRUNCATE of a table (a truncate has
   no key, so it cannot live in the table's own compacted topic).
 - ``incremental/<slot>/<schema.table>``: an incremental snapshot's request and progress (lib.incremental).
+- ``service/<slot>/capture|merge``: a lease the running continuous service renews (host, pid, valid
+  until); the notebooks' capture and merge steps refuse while it is valid (one slot, one checkpoint).
 
 A record that is not a JSON object stops its readers with the offset and the remedy when its key is
 one of these (skipping a truncate would let silver keep deleted rows); other keys are not the
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 import time
 
@@ -93,7 +97,7 @@ def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
         consumer.close()
 
 
-PIPELINE_KEYS = ("snapshot/", "truncate/", "incremental/")
+PIPELINE_KEYS = ("snapshot/", "truncate/", "incremental/", "service/")
 
 
 def _apply(records: dict[str, dict], bad: dict[str, str], name: str, message) -> None:
@@ -129,6 +133,30 @@ def _refuse(bad: dict[str, str]) -> None:
                        f"mistake, remove it with python -m lib.control delete {key!r} (add --target <target>), then "
                        f"restart; a truncate/ or snapshot/ record may need its table re-snapshotted "
                        f"(lib.incremental resnapshot)")
+
+
+def lease_key(conf: dict, service: str) -> str:
+    """The control key under which a running continuous service of conf's slot says so."""
+    return f"service/{config.get(conf, 'source.slot')}/{service}"
+
+
+def renew_lease(conf: dict, service: str, valid_s: float) -> None:
+    """Record that this process runs the service for the next valid_s seconds (any machine can read it)."""
+    put(conf, lease_key(conf, service), {"host": socket.gethostname(), "pid": os.getpid(),
+                                         "until_ms": int((time.time() + valid_s) * 1000)})
+
+
+def running_service(conf: dict, service: str, records: dict | None = None) -> dict | None:
+    """The lease of a continuous service of conf's slot that is still valid, or None."""
+    record = (read_all(conf) if records is None else records).get(lease_key(conf, service))
+    if record is None or record.get("until_ms", 0) <= time.time() * 1000:
+        return None
+    return record
+
+
+def describe_lease(record: dict) -> str:
+    until = time.strftime("%H:%M:%S", time.localtime(record["until_ms"] / 1000))
+    return f"pid {record.get('pid')} on {record.get('host')}, renewed until {until}"
 
 
 def snapshot_state(conf: dict, slot: str) -> dict | None:

@@ -486,7 +486,7 @@ def _long(n: int) -> bytes:
     if -64 <= n < 64:
         return _SMALL[n + 64]
     if not _LONG_MIN <= n <= _LONG_MAX:
-        raise ValueError(f"{n} does not fit an Avro long")
+        raise ValueError(f"a value of {n.bit_length()} bits does not fit an Avro long")
     z = (n << 1) ^ (n >> 63)
     if z < 0x4000:
         return _LAST2[z]
@@ -521,7 +521,7 @@ for _n in range(-32768, 32768):
 def _int(n: int) -> bytes:
     """Avro int: zig-zag varint, 32-bit range."""
     if not _INT_MIN <= n <= _INT_MAX:
-        raise ValueError(f"{n} does not fit an Avro int")
+        raise ValueError("a value outside the 32-bit range does not fit an Avro int")
     return _long(n)
 
 
@@ -530,7 +530,7 @@ def _boolean(v) -> bytes:
         return b"\x01"
     if v is False:
         return b"\x00"
-    raise ValueError(f"{v!r} is not a boolean")
+    raise ValueError(f"a {type(v).__name__} is not a boolean")
 
 
 def _decimal(precision: int, scale: int):
@@ -540,9 +540,9 @@ def _decimal(precision: int, scale: int):
             return _long(len(d)) + bytes(d)
         sign, digits, exp = d.as_tuple()
         if len(digits) > precision:
-            raise ValueError(f"{d} has more digits than decimal({precision},{scale}) allows")
+            raise ValueError(f"a value of {len(digits)} digits has more than decimal({precision},{scale}) allows")
         if exp + scale < 0:
-            raise ValueError(f"{d} has more fraction digits than decimal({precision},{scale}) allows")
+            raise ValueError(f"a value of {-exp} fraction digits has more than decimal({precision},{scale}) allows")
         n = int(d.scaleb(scale, _DECIMAL_CONTEXT))
         raw = n.to_bytes((abs(n).bit_length() + 8) // 8, "big", signed=True)
         return _SHORT[len(raw) + 32768] + raw if len(raw) < 32768 else _long(len(raw)) + raw

@@ -3,7 +3,8 @@
 Policy (conf section ``masking``; ``create_views`` also takes the same dict directly)::
 
     masking:
-      database: cdc_views                  # schema of the views (default cdc_views)
+      database: cdc_views                  # schema of the analysts' views (default cdc_views)
+      privileged_database: cdc_private     # schema of the unmasked _full views (default cdc_private)
       default: drop                        # rule of every column the policy does not list
       salt: {env: CDC_MASKING_SALT}        # secret reference (lib/secrets.py), never a literal
       key_table: cdc_private.masking_key   # privileged one-row table holding the hash key
@@ -41,8 +42,9 @@ from the current silver/bronze schema on every ``create_views`` and list their c
 explicitly, so a column added later by schema evolution gets the default rule on the next
 build and shows in no view before it: it never falls under ``keep`` silently.
 
-Views, in ``masking.database`` (``<table>`` is the table name, ``<schema>_<table>`` when two
-configured schemas share a table name):
+Views (``<table>`` is the table name, ``<schema>_<table>`` when two configured schemas share a
+table name), the analysts' in ``masking.database``, the unmasked one in
+``masking.privileged_database``, a schema analysts get no grant on (docs/masking.md lists the grants):
 
 - ``<table>_clean``: the policy applied, soft-deleted rows (``_deleted``) hidden, pipeline
   columns dropped except ``_updated_at``. For analysts.
@@ -65,15 +67,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable, Mapping
 
-from lib import config, secrets
+from lib import catalog, config, secrets
 from lib import spark as spark_lib
 
 RULES = ("keep", "hash", "partial", "redact", "null", "drop")
-POLICY_KEYS = ("database", "default", "salt", "key_table", "key_location", "silver_table", "bronze_table", "tables")
+POLICY_KEYS = ("database", "privileged_database", "default", "salt", "key_table", "key_location", "silver_table",
+               "bronze_table", "tables")
 DEFAULT_DATABASE = "cdc_views"
 DEFAULT_KEY_TABLE = "cdc_private.masking_key"
+DEFAULT_PRIVILEGED_DATABASE = "cdc_private"  # the _full views (and, by default, the key table): never for analysts
 # the merge's bookkeeping columns in silver (layout contract): not masked; the clean view keeps _updated_at only
 SILVER_META = ("_commit_lsn", "_event_serial", "_op", "_deleted", "_deleted_at", "_updated_at", "_unknown_cols")
 CLEAN_META = ("_updated_at",)
@@ -120,8 +125,16 @@ def key_fingerprint(key: str) -> str:
 
 def load_policy(conf: dict, policy: dict | None = None) -> dict:
     """The masking policy: the given dict, else conf's `masking` section (empty = drop everything)."""
-    found = config.get(conf, "masking", {}) if policy is None else policy
-    return dict(found or {})
+    found = dict((config.get(conf, "masking", {}) if policy is None else policy) or {})
+    if isinstance(found.get("tables"), Mapping):  # keys read like source.tables: quotes, case, default schema
+        tables = {}
+        for name, columns in found["tables"].items():
+            key = catalog.qualified(name)
+            if key in tables:
+                raise MaskingError(f"masking.tables lists {key} twice (as {name!r} and another spelling)")
+            tables[key] = columns
+        found["tables"] = tables
+    return found
 
 
 def normalize_rule(value) -> str:
@@ -357,18 +370,28 @@ def history_select(table: str, schema, policy: dict, source: str, key_table: str
 
 
 def view_names(tables: Iterable[str]) -> dict[str, str]:
-    """Base view name per `schema.table`: the table name, `schema_table` when table names collide."""
+    """Base view name per `schema.table`: the table name, `schema_table` when table names collide; characters
+    a metastore refuses in a name (anything but letters, digits and _) become _. Names still shared: error."""
     tables = list(tables)
-    short = [table.split(".")[-1] for table in tables]
-    return {table: name if short.count(name) == 1 else table.replace(".", "_")
-            for table, name in zip(tables, short, strict=True)}
+
+    def ident(text: str) -> str:
+        return re.sub(r"[^0-9A-Za-z_]", "_", text).lower()
+
+    short = [ident(table.split(".", 1)[-1]) for table in tables]
+    names = {table: name if short.count(name) == 1 else ident(table)
+             for table, name in zip(tables, short, strict=True)}
+    shared = [t for t in tables if list(names.values()).count(names[t]) > 1]
+    if shared:
+        raise MaskingError(f"tables {' and '.join(shared)} would share the view name {names[shared[0]]}_*: "
+                           f"a view name keeps only letters, digits and _; rename one of the tables")
+    return names
 
 
 def lake_path(conf: dict, layer: str, table: str) -> str:
-    """`<lake.root>/<layer>/<schema>/<table>`."""
-    schema, _, name = table.rpartition(".")
+    """`<lake.root>/<layer>/<schema>/<table>` of a source.tables entry (lib/merge.py writes there)."""
+    schema, name = catalog.normalize(table)
     root = config.location(config.get(conf, "lake.root")).rstrip("/")
-    return f"{root}/{layer}/{schema}/{name}"
+    return f"{root}/{layer}/{catalog.path_segment(schema)}/{catalog.path_segment(name)}"
 
 
 def source_ref(conf: dict, policy: dict, layer: str, table: str) -> str:
@@ -376,7 +399,7 @@ def source_ref(conf: dict, policy: dict, layer: str, table: str) -> str:
     {schema} and {table}) when set, else the path `delta.`<lake.root>/<layer>/<schema>/<table>``."""
     template = policy.get(f"{layer}_table")
     if template:
-        schema, _, name = table.rpartition(".")
+        schema, name = catalog.normalize(table)
         return quote_name(str(template).format(schema=schema, table=name))
     return f"delta.{quote(lake_path(conf, layer, table))}"
 
@@ -427,18 +450,25 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
     """
     persistent = spark_lib.require_catalog(spark)["catalog"] != "in-memory"  # a held local metastore: remedy
     policy = load_policy(conf, policy)
-    tables = list(tables) if tables is not None else list(config.get(conf, "source.tables"))
+    entries = {catalog.qualified(e): e for e in (tables if tables is not None else config.get(conf, "source.tables"))}
+    tables = list(entries)
     validate(policy, {table: None for table in tables})
-    sources = {(layer, table): source_ref(conf, policy, layer, table) for layer in ("silver", "bronze")
+    sources = {(layer, table): source_ref(conf, policy, layer, entries[table]) for layer in ("silver", "bronze")
                for table in tables}
     silver = {table: _read_schema(spark, sources["silver", table]) for table in tables}
     bronze = {table: _read_schema(spark, sources["bronze", table]) for table in tables}
     validate(policy, {table: silver[table] if silver[table] is not None else bronze_columns(bronze[table])
                       for table in tables})
     database = policy.get("database") or DEFAULT_DATABASE
+    private = policy.get("privileged_database") or DEFAULT_PRIVILEGED_DATABASE
+    if private.lower() == database.lower():
+        raise MaskingError(f"masking.privileged_database and masking.database are both {database}: the unmasked "
+                           f"_full views must live where analysts have no grant; name another schema")
     key_table = policy.get("key_table") or DEFAULT_KEY_TABLE
     results = [ensure_key(spark, conf, policy)] if uses_hash(policy) else []
-    spark.sql(f"CREATE SCHEMA IF NOT EXISTS {quote_name(database)}")
+    for schema in (database, private):
+        spark.sql(f"CREATE SCHEMA IF NOT EXISTS {quote_name(schema)}")
+    where = {"clean": database, "history": database, "full": private}
     names = view_names(tables)
     for table in tables:
         plans = []
@@ -448,14 +478,14 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
                           *clean_select(table, silver[table], policy, silver_source, key_table)))
             plans.append(("full", silver_source, *full_select(table, silver[table], silver_source)))
         else:
-            results += [_skipped(database, names[table], kind, table, silver_source) for kind in ("clean", "full")]
+            results += [_skipped(where[kind], names[table], kind, table, silver_source) for kind in ("clean", "full")]
         if bronze[table] is not None:
             plans.append(("history", bronze_source,
                           *history_select(table, bronze[table], policy, bronze_source, key_table)))
         else:
             results.append(_skipped(database, names[table], "history", table, bronze_source))
         for kind, source, select, columns in plans:
-            view = f"{database}.{names[table]}_{kind}"
+            view = f"{where[kind]}.{names[table]}_{kind}"
             spark.sql(f"CREATE OR REPLACE VIEW {quote_name(view)} AS {select}")
             results.append({"kind": kind, "status": "created", "view": view, "table": table, "source": source,
                             "columns": columns, "persistent": persistent})
@@ -465,10 +495,10 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
 def column_rules(spark, conf: dict, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
     """Per table and silver column: type, rule, and whether the policy lists it (else the default applies)."""
     policy = load_policy(conf, policy)
-    tables = list(tables) if tables is not None else list(config.get(conf, "source.tables"))
+    entries = {catalog.qualified(e): e for e in (tables if tables is not None else config.get(conf, "source.tables"))}
     rows = []
-    for table in tables:
-        schema = _read_schema(spark, source_ref(conf, policy, "silver", table))
+    for table, entry in entries.items():
+        schema = _read_schema(spark, source_ref(conf, policy, "silver", entry))
         listed = (policy.get("tables") or {}).get(table) or {}
         for field in _data_fields(schema) if schema is not None else []:
             rows.append({"table": table, "column": field.name, "type": field.dataType.simpleString(),

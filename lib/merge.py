@@ -79,8 +79,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
-from lib import avro_schemas, config, control, debezium, events, schema_registry, secrets
-from lib.catalog import split_name
+from lib import avro_schemas, catalog, config, control, debezium, events, schema_registry, secrets
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +140,7 @@ def table_specs(conf: dict) -> list[TableSpec]:
     prefix = config.get(conf, "kafka.topic_prefix")
     specs = []
     for name in config.get(conf, "source.tables"):
-        schema, table = split_name(name)
-        if '"' not in name:
-            schema, table = (schema.lower() if schema else None), table.lower()
-        schema = schema or "public"
+        schema, table = catalog.normalize(name)
         specs.append(TableSpec(schema, table, avro_schemas.topic_name(prefix, f"{schema}.{table}")))
     return specs
 
@@ -159,13 +155,13 @@ def _path(conf: dict, *parts: str) -> str:
 
 
 def bronze_path(conf: dict, spec: TableSpec) -> str:
-    """<lake.root>/bronze/<schema>/<table>."""
-    return _path(conf, "bronze", spec.schema, spec.name)
+    """<lake.root>/bronze/<schema>/<table> (catalog.path_segment: a name can never leave its folder)."""
+    return _path(conf, "bronze", catalog.path_segment(spec.schema), catalog.path_segment(spec.name))
 
 
 def silver_path(conf: dict, spec: TableSpec) -> str:
-    """<lake.root>/silver/<schema>/<table>."""
-    return _path(conf, "silver", spec.schema, spec.name)
+    """<lake.root>/silver/<schema>/<table> (catalog.path_segment: a name can never leave its folder)."""
+    return _path(conf, "silver", catalog.path_segment(spec.schema), catalog.path_segment(spec.name))
 
 
 def dead_letter_path(conf: dict) -> str:
@@ -1070,6 +1066,12 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, f
     """
     from pyspark.errors import StreamingQueryException
 
+    lease = control.running_service(conf, "merge")
+    if lease is not None:
+        raise MergeError(f"the continuous merge of slot {config.get(conf, 'source.slot')} runs "
+                         f"({control.describe_lease(lease)}) on checkpoint {checkpoint_path(conf, query_name(conf))}, "
+                         f"which serves one query: it already merges every change. Stop it first (make stop, or pause "
+                         f"the cdc_merge job) to run this step, or skip this step")
     attempts = int(config.get(conf, "merge.restart_attempts", 2))
     history: list[dict] = []
     name = query_name(conf)

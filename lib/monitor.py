@@ -313,6 +313,8 @@ def status(conf: dict, spark=None, all_slots: bool = False) -> dict:
     for name in SERVICES:
         row = service.state(conf, name)
         services.append(row)
+        if row["state"] == "waiting":
+            warnings.append(f"the {name} service is {row['last_line']}; it starts again by itself once that answers")
         if row["state"] == "crashed":
             warnings.append(f"the {name} service died (pid {row['pid']}, see {row['log']}): "
                             f"{row.get('last_line') or 'no message'}; `make run` (service.start) resumes it")

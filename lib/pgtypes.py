@@ -252,7 +252,7 @@ def _parse_bool(column: Column) -> Callable[[str], bool]:
             return True
         if text == "f":
             return False
-        raise _fail(column, f"boolean text {text!r} is neither 't' nor 'f'", "report this as a bug")
+        raise _fail(column, f"boolean text of {len(text)} character(s) is neither 't' nor 'f'", "report this as a bug")
     return parse
 
 
@@ -282,7 +282,7 @@ def _parse_money(column: Column) -> Callable[[str], Decimal]:
             negative = True
         digits = "".join(ch for ch in s if ch.isdigit() or ch == ".")
         if not _MONEY.fullmatch(digits):
-            raise _fail(column, f"money text {text!r} is not in the '$1,234.56' form",
+            raise _fail(column, "money text is not in the '$1,234.56' form",
                         "connect the capture with lc_monetary=C (pgtypes.SESSION_SETTINGS) or "
                         "ALTER DATABASE ... SET lc_monetary = 'C'")
         value = Decimal(digits)

@@ -129,9 +129,11 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
                 cur.execute("SELECT set_config(%s, %s, true)", (name, value))
     results = []
     try:
-        described = catalog.describe_tables(conn, [s.qualified for s in specs], declared_keys(conf, specs))
+        names = {s.qualified: catalog.sql_name(s.schema, s.name) for s in specs}
+        declared = {names[q]: key for q, key in declared_keys(conf, specs).items()}
+        described = catalog.describe_tables(conn, list(names.values()), declared)
         for spec in specs:
-            table = described[spec.qualified]
+            table = described[names[spec.qualified]]
             names = avro_schemas.field_names(table.columns)
             fields = [(col, names[col.name]) for col in table.columns if not col.generated]
             types = source_types(spark, table, conf)

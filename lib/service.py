@@ -20,7 +20,10 @@ continuous Databricks jobs call:
 by a signal the keeper did not send, the keeper logs the exit and starts it again after
 ``service.restart_backoff_s`` (doubled for each failure within the window, at most 60 s). After more
 than ``service.max_restarts`` failures within ``service.restart_window_s`` it gives up: the state is
-``crashed`` and the log's last line names the last exit and the child's last error. A child that
+``crashed`` and the log's last line names the last exit and the child's last error. An outage is not
+a crash: when the child failed and a dependency does not answer (PostgreSQL for the capture, Kafka,
+the schema registry), the keeper waits for it, probing with the same backoff, state ``waiting`` (what
+and since when), and starts the child once it answers, without counting a failure. A child that
 exits with code 0 by itself is not restarted. The child gets SIGTERM if its keeper dies (Linux
 ``PR_SET_PDEATHSIG``), so a killed keeper leaves no orphan holding the slot.
 
@@ -64,6 +67,7 @@ DEFAULT_RESTART_WINDOW_S = 600.0
 DEFAULT_RESTART_BACKOFF_S = 2.0
 MAX_BACKOFF_S = 60.0
 STOP_TIMEOUT_S = 90.0
+LEASE_INTERVALS, LEASE_SLACK_S = 3, 30.0  # a service's lease outlives a few missed metrics intervals
 STOP_GRACE_S = 45.0  # how long the merge waits for a running micro-batch to finish before stopping
 START_CHECK_S = 3.0
 PR_SET_PDEATHSIG = 1
@@ -112,8 +116,9 @@ def keeper_record(conf: dict, name: str, keeper_pid: int | None = None) -> dict:
 
 
 def state(conf: dict, name: str) -> dict:
-    """{service, state: running|stopped|crashed, pid (keeper), child, restarts, log, last_line}.
+    """{service, state: running|waiting|stopped|crashed, pid (keeper), child, restarts, log, last_line}.
 
+    waiting = the keeper waits for a dependency that does not answer (last_line says which, since when);
     crashed = a pid file whose keeper died or gave up after service.max_restarts failures.
     """
     paths = files(conf, name)
@@ -130,6 +135,10 @@ def state(conf: dict, name: str) -> dict:
         child = record.get("child")
         row["child"] = child if child and process.pid_alive(child) and _marker(name) in process.cmdline(child) \
             else None
+        if record.get("waiting_for") and row["child"] is None:
+            row["state"] = "waiting"
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["waiting_since"]))
+            row["last_line"] = f"waiting for {record['waiting_for']} since {since}"
     else:
         row["state"] = "crashed"
         row["last_line"] = _last_error_line(paths["log"])
@@ -340,9 +349,17 @@ def keep(name: str, conf_file: str, log=print) -> int:
             if process.read_pid(paths["pid"]) == os.getpid():
                 paths["pid"].unlink(missing_ok=True)
             return 0
+        last_exit, last_error = _describe_exit(code), _last_error_line(paths["log"], keeper_lines=False)
+        down = unreachable(conf, name)
+        if down is not None:  # an outage: wait for it without spending the restart budget
+            restarts += 1
+            if not _wait_for(conf, name, down, paths, stopping, policy, log,
+                             {"keeper": os.getpid(), "child": None, "restarts": restarts, "last_exit": last_exit,
+                              "last_error": last_error}):
+                break
+            continue
         now = time.monotonic()
         failures = [t for t in failures if now - t < policy["window_s"]] + [now]
-        last_exit, last_error = _describe_exit(code), _last_error_line(paths["log"], keeper_lines=False)
         _write_keeper_record(paths["keeper"], {"keeper": os.getpid(), "child": None, "restarts": restarts,
                                                "last_exit": last_exit, "last_error": last_error})
         if len(failures) > policy["max_restarts"]:
@@ -361,6 +378,62 @@ def keep(name: str, conf_file: str, log=print) -> int:
             time.sleep(0.1)
     log(f"=== {stamp()} keeper: {name} stopped")
     return 0
+
+
+def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
+    """The first dependency of a service that does not answer ('Kafka at host:port: ...'), or None."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from lib import schema_registry, source
+
+    if name == "capture":
+        host, port = config.get(conf, "source.host"), config.get(conf, "source.port")
+        try:
+            source.connect(conf).close()
+        except source.SourceError as exc:
+            if not any(word in str(exc) for word in ("password authentication", "does not exist")):
+                return f"PostgreSQL at {host}:{port} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
+    servers = config.get(conf, "kafka.bootstrap_servers")
+    try:
+        AdminClient({"bootstrap.servers": servers, "socket.connection.setup.timeout.ms": int(timeout_s * 1000)}) \
+            .list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        return f"Kafka at {servers} ({exc.args[0].str()})"
+    try:
+        schema_registry.client(conf).get_subjects()
+    except Exception as exc:  # noqa: BLE001 - any failure to answer counts as not answering
+        return f"the schema registry at {config.get(conf, 'registry.url')} ({type(exc).__name__})"
+    return None
+
+
+def _wait_for(conf: dict, name: str, down: str, paths: dict, stopping, policy: dict, log, record: dict) -> bool:
+    """Probe the missing dependency with capped backoff until it answers (True) or the keeper stops (False).
+
+    The keeper record says what the service waits for and since when (``make status`` shows it).
+    """
+    stamp = lambda: time.strftime("%Y-%m-%d %H:%M:%S")  # noqa: E731
+    since = time.time()
+    _write_keeper_record(paths["keeper"], {**record, "waiting_for": down, "waiting_since": since})
+    log(f"=== {stamp()} keeper: {name} ended with {record['last_exit']}; {down} does not answer: waiting for it "
+        f"(an outage does not count toward service.max_restarts)")
+    delay = policy["backoff_s"]
+    while not stopping.is_set():
+        deadline = time.monotonic() + delay
+        while not stopping.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if stopping.is_set():
+            return False
+        still = unreachable(conf, name)
+        if still is None:
+            log(f"=== {stamp()} keeper: {down.split(' (')[0]} answers again after {time.time() - since:.0f} s; "
+                f"starting {name}")
+            return True
+        if still != down:
+            down = still
+            _write_keeper_record(paths["keeper"], {**record, "waiting_for": down, "waiting_since": since})
+        delay = min(delay * 2, MAX_BACKOFF_S)
+    return False
 
 
 def _write_keeper_record(path: Path, record: dict) -> None:
@@ -392,6 +465,19 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
+def _renew_lease(conf: dict, name: str, log) -> None:
+    """Tell the notebooks, on any machine, that this service runs (control.running_service)."""
+    try:
+        control.renew_lease(conf, name, LEASE_INTERVALS * monitor.metrics_interval_s(conf) + LEASE_SLACK_S)
+    except control.ControlError as exc:
+        log(f"{name:<9} cannot renew its lease in the control topic: {exc}")
+
+
+def _drop_lease(conf: dict, name: str) -> None:
+    with contextlib.suppress(control.ControlError):
+        control.put(conf, control.lease_key(conf, name), None)
+
+
 def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, log=print) -> dict:
     """The capture in this process until stopped (SIGTERM, stop_event, max_seconds); appends metrics records."""
     from lib import source, stream
@@ -404,13 +490,16 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
     def on_metrics(m: dict) -> None:
         log(stream.summary(m))
         monitor.record(conf, "capture", capture_record(conf, m, previous, conn))
+        _renew_lease(conf, "capture", log)
 
+    _renew_lease(conf, "capture", log)
     try:
         result = stream.run(conf, until="forever", stop_event=stop_event, max_seconds=max_seconds,
                             metrics_callback=on_metrics, metrics_interval_s=interval,
                             heartbeat_s=float(config.get(conf, "service.heartbeat_s", 10)),
                             log=log)
         on_metrics(result)
+        _drop_lease(conf, "capture")  # a clean stop; after a crash the keeper starts it again, the lease stays
     finally:
         conn.close()
     return result
@@ -460,6 +549,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     deadline = time.monotonic() + max_seconds if max_seconds else None
     tally = _MergeTally(conf, spark)
     failures = 0
+    _renew_lease(conf, "merge", log)
     try:
         while True:
             query = merge.start(conf, spark, "processing_time", interval)
@@ -478,10 +568,12 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                     if time.monotonic() - last >= every:
                         last = time.monotonic()
                         monitor.record(conf, "merge", tally.tick(ctx, log))
+                        _renew_lease(conf, "merge", log)
             finally:
                 _stop_query(query, float(config.get(conf, "service.stop_grace_s", STOP_GRACE_S)), log)
             monitor.record(conf, "merge", tally.tick(ctx, log))
             if stop():
+                _drop_lease(conf, "merge")
                 return tally.totals()
             if ctx.failure is not None:
                 batch_id, cause = ctx.failure

@@ -389,7 +389,8 @@ def _array(column, t, ref: str, avro) -> dict:
         body = f"ARRAY(SELECT {sql} FROM unnest({ref}) WITH ORDINALITY AS u(x, n) ORDER BY u.n)"
     # a multi-dimensional value fails the read naming the column (the stream refuses it too);
     # the text depends on the row, so the planner cannot evaluate the failing cast early
-    error = (f"('cdc snapshot: column {column.qualified} holds a multi-dimensional array, which has no Avro "
+    named = column.qualified.replace("'", "''")  # inside a SQL string literal
+    error = (f"('cdc snapshot: column {named} holds a multi-dimensional array, which has no Avro "
              f"mapping; store it as jsonb or a one-dimensional array (dimensions: ' || array_ndims({ref}) "
              f"|| ')')::int")
     expr = (f"CASE WHEN ({ref}) IS NULL THEN NULL WHEN array_ndims({ref}) > 1 THEN ({error})::text::{sql_type} "

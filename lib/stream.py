@@ -185,6 +185,8 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
     if until not in UNTIL:
         raise ValueError(f"until must be one of {', '.join(UNTIL)}, not {until!r}")
     slot = config.get(conf, "source.slot")
+    if until == "caught_up":
+        _refuse_beside_the_service(conf)
     _require_snapshot(conf, slot)
     st = _State(conf, until, heartbeat_s, metrics_interval_s, max_seconds, stop_event, metrics_callback,
                 log or (lambda line: None))
@@ -206,6 +208,16 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
         if late is not None and failure is None:
             raise late
     return metrics(st)
+
+
+def _refuse_beside_the_service(conf: dict) -> None:
+    """A run to catch up (notebook 03, a job) must not race the continuous capture for the slot."""
+    lease = control.running_service(conf, "capture")
+    if lease is not None:
+        raise StreamError(f"the continuous capture of slot {config.get(conf, 'source.slot')} runs "
+                          f"({control.describe_lease(lease)}), and a slot serves one reader: it already streams "
+                          f"every change to Kafka. Stop it first (make stop, or pause the cdc_capture job) to run "
+                          f"this step, or skip this step")
 
 
 def _require_snapshot(conf: dict, slot: str) -> None:
@@ -717,6 +729,13 @@ def _build_plan(st: _State, relation) -> events.Plan:
     if qualified not in st.topics:
         _check_incremental(st, catch_up=True)  # a table added live (lib.incremental) is known once its request is read
     if qualified not in st.topics:
+        root = _partition_root(st, relation)
+        if root in st.topics:
+            raise StreamError(
+                f"a change to {qualified}, a partition of {root}, came under the partition's name: publication "
+                f"{st.publication} lacks publish_via_partition_root. Run notebook 01 (bootstrap) again, which sets it, "
+                f"or ALTER PUBLICATION {st.publication} SET (publish_via_partition_root = true), then restart the "
+                f"capture; {stopped}")
         raise StreamError(
             f"table {qualified} is in publication {st.publication} but not in source.tables "
             f"({st.conf.get('conf_file', 'conf')}): add it there (and run notebooks 01 and 02 for it) or remove it "
@@ -733,6 +752,7 @@ def _build_plan(st: _State, relation) -> events.Plan:
         raise StreamError(f"{exc}; {stopped}") from exc
     subjects = schema_registry.subjects(plan.topic)
     previous = _columns(st.tables[qualified]) if qualified in st.tables else _registered_columns(st, subjects[1])
+    _request_backfill(st, table, previous, stopped)  # before the new schema exists: a crash between keeps it
     try:
         key_id, wide_key_id, widened = _key_ids(st, plan, subjects[0], stopped)
         value_id, version, status = schema_registry.register(st.registry, subjects[1], plan.value_schema)
@@ -753,6 +773,46 @@ def _build_plan(st: _State, relation) -> events.Plan:
     st.log(f"schema    {subjects[1]} version {version} ({status})" + (f": {entry['change']}" if "change" in entry
                                                                        else ""))
     return plan
+
+
+def _partition_root(st: _State, relation) -> str | None:
+    """schema.table of the partitioned table a relation belongs to (None when it is no partition)."""
+    with st.sql.cursor() as cur:
+        cur.execute("SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = "
+                    "c.relnamespace WHERE c.oid = pg_partition_root(%s::oid::regclass) AND c.oid <> %s",
+                    (relation.relation_oid, relation.relation_oid))
+        row = cur.fetchone()
+    return row[0] if row else None
+
+
+def _request_backfill(st: _State, table: catalog.Table, previous: dict[str, str] | None, stopped: str) -> None:
+    """Read a table again (incremental snapshot) when a new column holds values in rows no change will carry.
+
+    DDL is not in the WAL stream: ADD COLUMN with a default gives every existing row a value without
+    writing it, and a rename looks like a dropped column plus a new one. Rows that never change again
+    would keep null (or the old name's column) in silver while the source holds values.
+    """
+    if previous is None:
+        return
+    added = [c.name for c in table.columns if not c.generated and c.name not in previous]
+    if not added:
+        return
+    renamed = any(name not in {c.name for c in table.columns} for name in previous)
+    if not renamed:
+        with st.sql.cursor() as cur:
+            cur.execute("SELECT attname FROM pg_attribute WHERE attrelid = %s AND attname = ANY(%s) "
+                        "AND (atthasdef OR atthasmissing OR attnotnull)", (table.oid, added))
+            added = [row[0] for row in cur.fetchall()]
+    if not added:
+        return  # new nullable columns without a default: existing rows hold null there, as silver will
+    why = f"column(s) {', '.join(added)} {'renamed or ' if renamed else ''}added with values in existing rows"
+    if st.repl.server_version < 140000:
+        raise SchemaChangeError(f"table {table.qualified}: {why}, which rows that do not change again would never "
+                                f"carry; reading the table again live needs PostgreSQL 14: run notebook 02 again for "
+                                f"it (re-snapshot), then restart the capture; {stopped}")
+    incremental.request(st.conf, table, f"{why}: existing rows are read again")
+    _check_incremental(st, catch_up=True)
+    st.log(f"schema    {table.qualified}: {why}; reading the table again (incremental snapshot)")
 
 
 def _key_ids(st: _State, plan: events.Plan, subject: str, stopped: str) -> tuple[int, int | None, tuple]:
@@ -1180,11 +1240,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
     parser.add_argument("--heartbeat-s", type=float, default=10.0, help="heartbeat interval, 0 = none (default 10)")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between summary lines (default 10)")
+    parser.add_argument("--pg-options", default="", help="libpq startup options for the replication connection, "
+                        "e.g. --pg-options='-c logical_decoding_work_mem=64kB'")
     args = parser.parse_args(argv)
     try:
         conf = config.load(args.target)
         result = run(conf, until=args.until, max_seconds=args.max_seconds, heartbeat_s=args.heartbeat_s,
-                     metrics_interval_s=args.interval, metrics_callback=lambda m: print(summary(m), flush=True),
+                     pg_options=args.pg_options, metrics_interval_s=args.interval,
+                     metrics_callback=lambda m: print(summary(m), flush=True),
                      log=lambda line: print(line, file=sys.stderr, flush=True))
     except Exception as exc:  # noqa: BLE001 - one line, exit 1
         print(f"{parser.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)

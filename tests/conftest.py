@@ -124,7 +124,8 @@ def small_source(live_stack, scratch_database, drop_slot):
                         .format(sql.Identifier(schema), user))
             cur.execute("SELECT relname FROM pg_class WHERE relnamespace = %s::regnamespace AND relkind IN ('r', 'p') "
                         "AND NOT relispartition ORDER BY relname", (schema,))
-            tables = [f"{schema}.{row[0]}" for row in cur.fetchall()]
+            tables = [sql.Identifier(schema, row[0]).as_string(admin) if row[0] != row[0].lower() or not
+                      row[0].replace("_", "a").isalnum() else f"{schema}.{row[0]}" for row in cur.fetchall()]
         env = {"CDC__SOURCE__DATABASE": scratch_database, "CDC__SOURCE__SLOT": f"src_{tag}",
                "CDC__SOURCE__PUBLICATION": f"src_{tag}", "CDC__SOURCE__TABLES": repr(tables),
                "CDC__SOURCE__KEYS": "{}", "CDC__KAFKA__TOPIC_PREFIX": f"cdc-test-{tag}-src", **overrides}

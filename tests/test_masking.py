@@ -141,7 +141,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
     test_conf = copy.deepcopy(conf)
     test_conf["lake"] = {"root": str(lake)}
     database, private = f"cdc_views_t{run_id}", f"cdc_private_t{run_id}"
-    policy = {**POLICY, "database": database, "key_table": f"{private}.masking_key"}
+    policy = {**POLICY, "database": database, "privileged_database": private, "key_table": f"{private}.masking_key"}
     for name in (database, private):  # schemas under tmp, so the shared warehouse is left alone
         spark.sql(f"CREATE SCHEMA IF NOT EXISTS {masking.quote(name)} LOCATION '{lake / (name + '.db')}'")
     salt_a = "salt-a-" + random_secrets.token_hex(16)
@@ -164,7 +164,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
     ], bronze_schema(False)).write.format("delta").save(bronze)
 
     out = {"spark": spark, "conf": test_conf, "policy": policy, "salt_a": salt_a, "salt_b": salt_b,
-           "database": database, "view_text": []}
+           "database": database, "private": private, "view_text": []}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(SALT_ENV, salt_a)
         out["build1"] = masking.create_views(spark, test_conf, policy, tables=[TABLE, "bank.accounts"])
@@ -177,10 +177,11 @@ def built(spark_session, conf, run_id, tmp_path_factory):
             .write.format("delta").mode("append").option("mergeSchema", "true").save(bronze)
         out["build2"] = masking.create_views(spark, test_conf, policy, tables=[TABLE, "bank.accounts"])
         for kind in ("clean", "full", "history"):
-            out[kind] = texts(spark, f"{database}.customers_{kind}")
+            out[kind] = texts(spark, f"{private if kind == 'full' else database}.customers_{kind}")
+        out["analyst_views"] = sorted(r["viewName"] for r in spark.sql(f"SHOW VIEWS IN {database}").collect())
         out["view_text"].append(view_texts(spark, f"{database}.customers_clean"))
         out["view_text"].append(view_texts(spark, f"{database}.customers_history"))
-        out["view_text"].append(view_texts(spark, f"{database}.customers_full"))
+        out["view_text"].append(view_texts(spark, f"{private}.customers_full"))
         env.setenv(SALT_ENV, salt_b)
         out["build3"] = masking.create_views(spark, test_conf, policy, tables=[TABLE])
         out["clean_b"] = texts(spark, f"{database}.customers_clean")
@@ -224,7 +225,7 @@ def test_clean_view_hides_deleted_rows_and_drops_unlisted_columns(built):
     assert columns == ["customer_id", "customer_uuid", "first_name", "middle_name", "last_name", "email", "phone",
                        "date_of_birth", "national_id", "kyc_status", "risk_score", "aliases", "home_branch",
                        "created_at", "_updated_at"]
-    assert "passport_no" in [f.name for f in built["spark"].table(f"{built['database']}.customers_full").schema]
+    assert "passport_no" in [f.name for f in built["spark"].table(f"{built['private']}.customers_full").schema]
 
 
 def test_partial_redact_and_null_shapes(built):
@@ -276,7 +277,7 @@ def test_salt_and_key_never_in_view_definitions(built):
 def test_results_name_views_keys_and_skipped_tables(built):
     created = [(r["kind"], r["view"]) for r in built["build2"] if r["status"] == "created"]
     database = built["database"]
-    assert created == [("clean", f"{database}.customers_clean"), ("full", f"{database}.customers_full"),
+    assert created == [("clean", f"{database}.customers_clean"), ("full", f"{built['private']}.customers_full"),
                        ("history", f"{database}.customers_history")]
     skipped = sorted(r["kind"] for r in built["build2"] if r["status"] == "skipped")
     assert skipped == ["clean", "full", "history"]  # bank.accounts has no silver/bronze yet
@@ -340,3 +341,13 @@ def test_view_names_and_quoting():
     assert masking.source_ref(conf, {}, "silver", TABLE) == "delta.`/lake/silver/bank/customers`"
     assert masking.source_ref(conf, {"bronze_table": "main.cdc.bronze_{schema}_{table}"}, "bronze", TABLE) == \
         "`main`.`cdc`.`bronze_bank_customers`"
+
+
+def test_the_analysts_schema_holds_masked_views_only(built):
+    assert built["analyst_views"] == ["customers_clean", "customers_history"]  # bank.accounts: no silver yet
+
+
+def test_privileged_views_may_not_share_the_analysts_schema(built):
+    policy = {**built["policy"], "privileged_database": built["database"]}
+    with pytest.raises(masking.MaskingError, match="must live where analysts have no grant"):
+        masking.create_views(built["spark"], built["conf"], policy, tables=[TABLE])

@@ -17,8 +17,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
+import source_audit
 from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
 from pyspark.sql import DataFrame
@@ -160,9 +162,11 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     # generous limits: on a loaded machine starting Spark alone can take minutes
     wait_for(lambda: monitor.latest(conf, "merge"), 600, "the merge query to start")
     wait_for(lambda: monitor.latest(conf, "capture"), 30, "a capture metrics record")
+    assert control.running_service(conf, "capture") and control.running_service(conf, "merge")  # notebooks refuse
 
     writes: dict = {}
     conn = source.connect(conf, admin=True)
+    source_audit.start(conf)  # every committed change from here on, recorded beside the pipeline
 
     def write():
         try:
@@ -227,6 +231,7 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
 
     service.stop(conf, log=quiet)
     assert [row["state"] for row in service.status(conf)] == ["stopped", "stopped"]
+    assert control.running_service(conf, "capture") is None and control.running_service(conf, "merge") is None
     stopped = monitor.status(conf)
     assert any(f"slot {slot} has no consumer attached" in w for w in stopped["warnings"]), stopped["warnings"]
 
@@ -237,6 +242,24 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     merged = merge.summary(spark_session, conf).collect()
     assert sum(r["bronze_events"] for r in merged) > sum(r["source_rows"] for r in results)
     assert_bronze_complete(conf, spark_session)
+    changes = source_audit.finish(conf)
+    assert len(changes) > 100, len(changes)
+    source_audit.assert_all_seen(changes, bronze_changes(conf, spark_session), "bronze")
+
+
+def bronze_changes(conf: dict, spark) -> Counter:
+    """(xid, table, key as text) of every bronze event, duplicates of one source position counted once."""
+    seen = Counter()
+    for spec in merge.table_specs(conf):
+        bronze = spark.read.format("delta").load(merge.bronze_path(conf, spec)).filter(~F.col("_tombstone"))
+        keys = [f.name for f in bronze.schema["key"].dataType.fields]
+        rows = bronze.select(F.col("source.txId").alias("xid"), F.col("source.commit_lsn").alias("lsn"),
+                             F.col("source.event_serial").alias("serial"),
+                             *[F.col("key")[k].cast("string").alias(f"k{i}") for i, k in enumerate(keys)]) \
+            .dropDuplicates(["lsn", "serial"]).collect()
+        for row in rows:
+            seen[(row["xid"], spec.qualified, tuple(row[f"k{i}"] for i in range(len(keys))))] += 1
+    return seen
 
 
 def topic_messages(conf: dict) -> dict[str, int]:

@@ -17,12 +17,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import fastavro
 import psycopg2.extensions
 import pytest
+import source_audit
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
@@ -394,9 +395,25 @@ def test_streamed_transaction_with_rolled_back_savepoint(cdc):
     assert not any(code.startswith("GONE-") for code in codes) and "BIG-4000" in codes
 
 
+def assert_every_change_in_kafka(conf, changes: list[tuple], found: dict) -> None:
+    """Each committed change (xid, table, key) has an event of that transaction and key in the table's topic."""
+    in_kafka = Counter()
+    for table, messages in found.items():
+        seen = set()
+        for m in messages:
+            value = m["value"]
+            if value is None or (value["source"]["commit_lsn"], value["source"]["event_serial"]) in seen:
+                continue  # tombstones, and the duplicates a restart resends
+            seen.add((value["source"]["commit_lsn"], value["source"]["event_serial"]))
+            key = tuple(str(v) for v in m["key"].values())
+            in_kafka[(value["source"]["txId"], table, key)] += 1
+    source_audit.assert_all_seen(changes, in_kafka, "Kafka")
+
+
 def test_kill_9_at_random_points_loses_nothing(cdc):
     stop = threading.Event()
     errors = []
+    source_audit.start(cdc)
 
     def write():
         conn = source.connect(cdc, admin=True)
@@ -408,6 +425,9 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
                 with conn.cursor() as cur:
                     cur.execute("UPDATE bank.branches SET phone = %s WHERE branch_code LIKE 'CPY-0%%'",
                                 (f"+1-312-555-{seed % 100:04d}",))
+                    if seed % 2:  # a transaction the server streams while it runs (logical_decoding_work_mem)
+                        cur.execute("UPDATE bank.transactions SET description = description || '.' "
+                                    "WHERE transaction_id::text < '8'")
                 conn.commit()
         except Exception as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
@@ -422,7 +442,8 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
     try:
         for _ in range(6):
             capture = subprocess.Popen([sys.executable, "-m", "lib.stream", "--target", "local", "--until",
-                                        "forever", "--interval", "1"], cwd=REPO, env=env,
+                                        "forever", "--interval", "1",
+                                        "--pg-options=-c logical_decoding_work_mem=64kB"], cwd=REPO, env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             started = time.monotonic()
             for line in capture.stderr:  # wait until it streams, then kill it at a random point
@@ -450,7 +471,17 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
     assert graceful.returncode == 0, err
     assert out.splitlines()[-1].startswith("final stream") and "stopped: signal SIGTERM" in out
     catch_up(cdc)
-    assert_topics_equal_source(cdc)
+    changes = source_audit.finish(cdc)
+    found = assert_topics_equal_source(cdc)
+    assert_every_change_in_kafka(cdc, changes, found)
+    conn = source.connect(cdc)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s",
+                        (config.get(cdc, "source.slot"),))
+            assert cur.fetchone()[0] > 0, "no transaction was streamed while it ran: the test lost its point"
+    finally:
+        conn.close()
 
 
 def test_idle_slot_advances_with_writes_to_unpublished_tables_only(cdc):
