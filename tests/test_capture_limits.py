@@ -10,8 +10,9 @@ import time
 
 import pytest
 from confluent_kafka import Producer
+from slots import confirmed_lsn
 
-from lib import config, control, source, stream
+from lib import config, control, stream
 from lib.pgoutput import str_to_lsn
 
 pytestmark = pytest.mark.stack
@@ -22,16 +23,6 @@ def _position(src) -> int:
         cur.execute("SELECT pg_current_wal_insert_lsn()::text")
         return str_to_lsn(cur.fetchone()[0])
 
-
-def _confirmed(conf: dict) -> int:
-    conn = source.connect(conf)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                        (config.get(conf, "source.slot"),))
-            return str_to_lsn(cur.fetchone()[0])
-    finally:
-        conn.close()
 
 
 def test_a_row_larger_than_kafka_accepts_names_the_size_settings(small_source):
@@ -45,7 +36,7 @@ def test_a_row_larger_than_kafka_accepts_names_the_size_settings(small_source):
     message = str(raised.value)
     for part in (f"{src.schema}.docs", "message.max.bytes", "max.message.bytes", "kafka.producer"):
         assert part in message, f"{part!r} not named in: {message}"
-    assert _confirmed(src.conf) <= before
+    assert confirmed_lsn(src.conf) <= before
 
 
 @pytest.fixture
@@ -84,7 +75,7 @@ def test_a_full_spool_folder_names_the_folder_and_the_setting(small_source, tiny
     assert failures and isinstance(failures[0], stream.StreamError), failures or "the capture did not stop"
     message = str(failures[0])
     assert tiny_folder in message and "source.spool_dir" in message, message
-    assert _confirmed(src.conf) <= before
+    assert confirmed_lsn(src.conf) <= before
 
 
 def test_the_capture_reads_the_control_topic_without_blocking(small_source):

@@ -8,15 +8,13 @@ changed set of key columns stops the capture with the remedy.
 
 from __future__ import annotations
 
-import io
 import json
-import time
 
-import fastavro
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+import topic_rows
+from slots import confirmed_lsn
 
-from lib import avro_schemas, catalog, config, schema_registry, source, stream
+from lib import schema_registry, stream
 from lib.pgoutput import str_to_lsn
 
 pytestmark = pytest.mark.stack
@@ -36,47 +34,11 @@ def _sql(src, *statements: str) -> int:
     return before
 
 
-def _confirmed(conf: dict) -> int:
-    conn = source.connect(conf)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                        (config.get(conf, "source.slot"),))
-            return str_to_lsn(cur.fetchone()[0])
-    finally:
-        conn.close()
-
 
 def _messages(src, table: str) -> list[tuple[bytes, dict, int]]:
     """(key bytes, decoded key, key schema id) of every message of the table's topic, in offset order."""
-    conf = src.conf
-    described = catalog.describe_tables(src.admin, [f"{src.schema}.{table}"])[f"{src.schema}.{table}"]
-    topic = avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), described)
-    registry, parsed = schema_registry.client(conf), {}
-    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "group.id": f"test-{time.monotonic_ns()}", "enable.auto.commit": False})
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions}
-        ends = {p: high for p, high in ends.items() if high > 0}
-        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
-        found, deadline = [], time.monotonic() + 60
-        while ends and time.monotonic() < deadline:
-            message = consumer.poll(1.0)
-            if message is None:
-                continue
-            assert message.error() is None, message.error()
-            key = message.key()
-            schema_id = int.from_bytes(key[1:5], "big")
-            if schema_id not in parsed:
-                parsed[schema_id] = fastavro.parse_schema(json.loads(registry.get_schema(schema_id).schema_str))
-            found.append((key, fastavro.schemaless_reader(io.BytesIO(key[5:]), parsed[schema_id]), schema_id))
-            if message.offset() >= ends[message.partition()] - 1:
-                del ends[message.partition()]
-        assert not ends, f"could not read {topic} to its end"
-        return found
-    finally:
-        consumer.close()
+    decode = topic_rows.Decoder(src.conf)
+    return [(key, *decode(key)) for key, _, _ in topic_rows.messages(src, table)]
 
 
 def test_a_narrowed_composite_key_stops_the_capture_before_the_change(small_source):
@@ -89,7 +51,7 @@ def test_a_narrowed_composite_key_stops_the_capture_before_the_change(small_sour
                                                        r".*lib\.incremental remove") as raised:
         _run(src.conf)
     assert f"{src.schema}.pairs" in str(raised.value)
-    assert _confirmed(src.conf) <= changed, "the slot moved past a change the capture refused"
+    assert confirmed_lsn(src.conf) <= changed, "the slot moved past a change the capture refused"
     assert len(_messages(src, "pairs")) == 1
 
 
@@ -121,4 +83,4 @@ def test_a_key_type_change_that_changes_the_bytes_stops_the_capture(small_source
     changed = _sql(src, "ALTER TABLE {s}.items ALTER id TYPE text", "UPDATE {s}.items SET v = 'b'")
     with pytest.raises(stream.SchemaChangeError, match=r"key column id changed type.*new topic"):
         _run(src.conf)
-    assert _confirmed(src.conf) <= changed
+    assert confirmed_lsn(src.conf) <= changed

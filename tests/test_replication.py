@@ -16,6 +16,7 @@ import uuid
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
+from slots import confirmed_lsn
 
 from lib import avro_schemas, catalog, config, replication, source, stream
 from lib.pgoutput import Decoder, str_to_lsn
@@ -53,16 +54,6 @@ def _commit_lsn(conn) -> int:
     conn.commit()
     return before
 
-
-def _confirmed(conf: dict) -> int:
-    conn = source.connect(conf)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                        (config.get(conf, "source.slot"),))
-            return str_to_lsn(cur.fetchone()[0])
-    finally:
-        conn.close()
 
 
 def _read_until(read, kinds: str, timeout_s: float = 30.0) -> list:
@@ -104,7 +95,7 @@ def _scenario(conf: dict, schema: str, read, acknowledge, status) -> tuple[int, 
             time.sleep(0.1)
         status()
         time.sleep(1.0)
-        return below_b, _confirmed(conf)
+        return below_b, confirmed_lsn(conf)
     finally:
         for conn in (t1, t3, t2):
             conn.rollback()
@@ -187,7 +178,7 @@ def test_capture_never_confirms_a_transaction_kafka_has_not_acknowledged(hazard)
         _insert(t2, schema, 1000, 1)
         below_a = _commit_lsn(t2)
         deadline = time.monotonic() + 60
-        while _confirmed(conf) <= below_a:
+        while confirmed_lsn(conf) <= below_a:
             assert time.monotonic() < deadline and not failures, failures or "T2a never acknowledged"
             time.sleep(0.2)
         _insert(t2, schema, 1001, 1)
@@ -196,7 +187,7 @@ def test_capture_never_confirms_a_transaction_kafka_has_not_acknowledged(hazard)
         seen_past = False
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not seen_past:
-            if _confirmed(conf) > below_b:
+            if confirmed_lsn(conf) > below_b:
                 events = in_kafka()
                 assert events >= 2, (f"slot confirmed past T2b while Kafka holds {events} event(s): T2b's event was "
                                      f"still in the producer")

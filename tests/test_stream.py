@@ -27,6 +27,7 @@ import source_audit
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
+from slots import confirmed_lsn
 
 from lib import (
     avro_schemas,
@@ -134,16 +135,6 @@ def execute(conf, *statements):
     finally:
         conn.close()
 
-
-def slot_position(conf) -> int:
-    conn = source.connect(conf)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                        (config.get(conf, "source.slot"),))
-            return str_to_lsn(cur.fetchone()[0])
-    finally:
-        conn.close()
 
 
 def catch_up(conf, **kwargs) -> dict:
@@ -329,7 +320,7 @@ def test_caught_up_after_load_and_workload_equals_source(cdc):
     result = catch_up(cdc, metrics_callback=seen.append, metrics_interval_s=0.5)
     assert result["events"] > 1000 and result["lag_bytes"] is not None
     assert result["events_per_table"]["bank.branches"] >= 308
-    assert slot_position(cdc) >= str_to_lsn(result["target_lsn"])
+    assert confirmed_lsn(cdc) >= str_to_lsn(result["target_lsn"])
     found = assert_topics_equal_source(cdc)
     copied = [v for v in values(found["bank.branches"]) if v["after"] and v["after"]["branch_code"].startswith("CPY-")]
     by_lsn = defaultdict(list)
@@ -487,7 +478,7 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
 def test_idle_slot_advances_with_writes_to_unpublished_tables_only(cdc):
     execute(cdc, "CREATE TABLE IF NOT EXISTS public.unpublished (id serial PRIMARY KEY, note text)")
     catch_up(cdc)
-    before = slot_position(cdc)
+    before = confirmed_lsn(cdc)
     stop = threading.Event()
     outcome = {}
 
@@ -505,7 +496,7 @@ def test_idle_slot_advances_with_writes_to_unpublished_tables_only(cdc):
         while time.monotonic() < deadline and not moved:
             execute(cdc, "INSERT INTO public.unpublished (note) SELECT 'x' FROM generate_series(1, 100)")
             time.sleep(1)
-            moved = slot_position(cdc) > before
+            moved = confirmed_lsn(cdc) > before
     finally:
         stop.set()
         thread.join(30)
@@ -531,7 +522,7 @@ def test_schema_changes_new_version_then_refused_change_stops_without_acknowledg
     new = [v for v in values(found["bank.branches"]) if v["after"] and v["after"]["branch_code"] == "NEW-01"]
     assert new[-1]["after"]["note"] == "has a note"
 
-    acknowledged = slot_position(cdc)
+    acknowledged = confirmed_lsn(cdc)
     execute(cdc, "ALTER TABLE bank.statements ALTER COLUMN view_count TYPE text")
     conn = admin_conn(cdc)
     with conn.cursor() as cur:
@@ -545,11 +536,11 @@ def test_schema_changes_new_version_then_refused_change_stops_without_acknowledg
     with pytest.raises(stream.SchemaChangeError, match=r"table bank\.statements changed \(view_count integer -> "
                                                        r"text\).*refused"):
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
-    position = slot_position(cdc)
+    position = confirmed_lsn(cdc)
     assert acknowledged <= position <= before_commit  # the refused transaction would be resent
     with pytest.raises(stream.SchemaChangeError):  # a restart stops at the same place: nothing skipped
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
-    assert slot_position(cdc) == position
+    assert confirmed_lsn(cdc) == position
     statements_subject = f"{avro_schemas.topic_name(prefix, 'bank.statements')}-value"
     registry.set_compatibility(subject_name=statements_subject, level="NONE")  # the documented remedy
     result = catch_up(cdc)
@@ -676,7 +667,7 @@ def test_failed_delivery_stops_without_acknowledging(cdc):
     conf = config.apply_overrides(cdc, {"CDC__KAFKA__PRODUCER": "{message.timeout.ms: 4000}"})
     topic = avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), "bank.branches")
     catch_up(conf)
-    acknowledged = slot_position(conf)
+    acknowledged = confirmed_lsn(conf)
     outcome = {}
 
     def capture():
@@ -702,4 +693,4 @@ def test_failed_delivery_stops_without_acknowledging(cdc):
     error = outcome.get("error")
     assert isinstance(error, stream.DeliveryError), error
     assert topic in str(error) and "slot stays at" in str(error)
-    assert acknowledged <= slot_position(conf) <= before_commit
+    assert acknowledged <= confirmed_lsn(conf) <= before_commit
