@@ -158,34 +158,8 @@ def numeric_precision_scale(t: PgType) -> tuple[int | None, int | None]:
     return precision, scale
 
 
-def split_name(name: str) -> tuple[str | None, str]:
-    """'schema.table' -> ('schema', 'table') honouring double quotes; no dot -> (None, name)."""
-    parts, buf, quoted, i = [], [], False, 0
-    while i < len(name):
-        ch = name[i]
-        if ch == '"':
-            if quoted and i + 1 < len(name) and name[i + 1] == '"':
-                buf.append('"')
-                i += 1
-            else:
-                quoted = not quoted
-        elif ch == "." and not quoted:
-            parts.append("".join(buf))
-            buf = []
-        else:
-            buf.append(ch)
-        i += 1
-    parts.append("".join(buf))
-    if len(parts) == 1:
-        return None, parts[0]
-    if len(parts) == 2:
-        return parts[0], parts[1]
-    raise CatalogError(f"table name {name!r} must be schema.table (quote names that contain dots)")
-
-
-def normalize(name: str) -> tuple[str, str]:
-    """A source.tables entry as (schema, table) the way PostgreSQL reads it: unquoted parts fold to lower case,
-    quoted ones keep their case, no schema means public. The one reading of a configured name."""
+def _parts(name: str) -> tuple[list[tuple[str, bool]], bool]:
+    """The dot-separated parts of a name, each with whether it was quoted, and whether a quote is left open."""
     parts, buf, quoted, was_quoted, i = [], [], False, False, 0
     while i < len(name):
         ch = name[i]
@@ -202,7 +176,24 @@ def normalize(name: str) -> tuple[str, str]:
             buf.append(ch)
         i += 1
     parts.append(("".join(buf), was_quoted))
-    if len(parts) > 2 or quoted or any(not part for part, _ in parts):
+    return parts, quoted
+
+
+def split_name(name: str) -> tuple[str | None, str]:
+    """'schema.table' -> ('schema', 'table') honouring double quotes; no dot -> (None, name)."""
+    parts = [part for part, _ in _parts(name)[0]]
+    if len(parts) == 1:
+        return None, parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise CatalogError(f"table name {name!r} must be schema.table (quote names that contain dots)")
+
+
+def normalize(name: str) -> tuple[str, str]:
+    """A source.tables entry as (schema, table) the way PostgreSQL reads it: unquoted parts fold to lower case,
+    quoted ones keep their case, no schema means public. The one reading of a configured name."""
+    parts, open_quote = _parts(name)
+    if len(parts) > 2 or open_quote or any(not part for part, _ in parts):
         raise CatalogError(f"table name {name!r} must be schema.table or table, with double quotes around a name "
                            f"that has dots, capitals or other special characters")
     folded = [part if was else part.lower() for part, was in parts]

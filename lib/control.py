@@ -140,10 +140,12 @@ def lease_key(conf: dict, service: str) -> str:
     return f"service/{config.get(conf, 'source.slot')}/{service}"
 
 
-def renew_lease(conf: dict, service: str, valid_s: float) -> None:
-    """Record that this process runs the service for the next valid_s seconds (any machine can read it)."""
+def renew_lease(conf: dict, service: str, valid_s: float, timeout: float = 5.0) -> None:
+    """Record that this process runs the service for the next valid_s seconds (any machine can read it).
+
+    Waits at most timeout seconds for Kafka, so a slow broker cannot stall the loop that renews."""
     put(conf, lease_key(conf, service), {"host": socket.gethostname(), "pid": os.getpid(),
-                                         "until_ms": int((time.time() + valid_s) * 1000)})
+                                         "until_ms": int((time.time() + valid_s) * 1000)}, timeout=timeout)
 
 
 def running_service(conf: dict, service: str, records: dict | None = None) -> dict | None:

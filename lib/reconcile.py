@@ -129,11 +129,11 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
                 cur.execute("SELECT set_config(%s, %s, true)", (name, value))
     results = []
     try:
-        names = {s.qualified: catalog.sql_name(s.schema, s.name) for s in specs}
-        declared = {names[q]: key for q, key in declared_keys(conf, specs).items()}
-        described = catalog.describe_tables(conn, list(names.values()), declared)
+        sql_names = {s.qualified: catalog.sql_name(s.schema, s.name) for s in specs}
+        declared = {sql_names[q]: key for q, key in declared_keys(conf, specs).items()}
+        described = catalog.describe_tables(conn, list(sql_names.values()), declared)
         for spec in specs:
-            table = described[names[spec.qualified]]
+            table = described[sql_names[spec.qualified]]
             names = avro_schemas.field_names(table.columns)
             fields = [(col, names[col.name]) for col in table.columns if not col.generated]
             types = source_types(spark, table, conf)

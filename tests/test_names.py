@@ -39,24 +39,28 @@ def test_every_lake_path_stays_in_its_folder_and_the_merge_and_the_views_agree_o
 @pytest.mark.stack
 def test_a_quoted_mixed_case_table_with_a_quote_in_a_column_goes_end_to_end(small_source, spark_session, tmp_path):
     src = small_source('CREATE TABLE {s}."My Table" (id int PRIMARY KEY, "it\'s" text, tags text[]); '
-                       'INSERT INTO {s}."My Table" VALUES (1, \'a\'\'b\', ARRAY[\'x\']), (2, \'c\', NULL)',
+                       'INSERT INTO {s}."My Table" VALUES (1, \'a\'\'b\', ARRAY[\'x\']), (2, \'c\', NULL); '
+                       'CREATE TABLE {s}.plain (code text PRIMARY KEY, amount numeric(8,2))',
                        CDC__LAKE__ROOT=str(tmp_path / "lake"))
     conf = src.conf
-    assert [catalog.normalize(t) for t in config.get(conf, "source.tables")] == [(src.schema, "My Table")]
+    assert [catalog.normalize(t) for t in config.get(conf, "source.tables")] == [(src.schema, "My Table"),
+                                                                                  (src.schema, "plain")]
     with src.admin.cursor() as cur:  # the rows existed before the empty snapshot: stream them once
         cur.execute(f'UPDATE {src.schema}."My Table" SET tags = tags')
         cur.execute(f'INSERT INTO {src.schema}."My Table" VALUES (3, \'d\', ARRAY[\'y\', \'z\'])')
         cur.execute(f'DELETE FROM {src.schema}."My Table" WHERE id = 2')
+        cur.execute(f"INSERT INTO {src.schema}.plain VALUES ('k1', 1.50), ('k2', NULL)")
     stream.run(conf, until="caught_up", heartbeat_s=0)
     merge.run_until_caught_up(conf, spark_session)
-    results = reconcile.reconcile(conf, spark_session)
-    assert [(r["table"], r["equal"], r["source_rows"]) for r in results] == [(f"{src.schema}.My Table", True, 2)]
+    results = reconcile.reconcile(conf, spark_session)  # two tables whose columns differ
+    assert [(r["table"], r["equal"], r["source_rows"]) for r in results] == [(f"{src.schema}.My Table", True, 2),
+                                                                             (f"{src.schema}.plain", True, 2)]
     tag = uuid.uuid4().hex[:6]
     policy = {"database": f"names_v_{tag}", "privileged_database": f"names_p_{tag}", "default": "drop",
               "tables": {f'{src.schema}."My Table"': {"id": "keep", "it_s": "redact"}}}  # silver: Avro names
     built = masking.create_views(spark_session, conf, policy)
-    assert sorted((r["kind"], r["status"]) for r in built) == [("clean", "created"), ("full", "created"),
-                                                               ("history", "created")]
+    assert sorted((r["kind"], r["status"]) for r in built) == [("clean", "created")] * 2 + [
+        ("full", "created")] * 2 + [("history", "created")] * 2
     clean = spark_session.table(f"names_v_{tag}.my_table_clean").orderBy("id").collect()
     assert [(r["id"], r["it_s"]) for r in clean] == [(1, "[REDACTED]"), (3, "[REDACTED]")]
     for schema in (policy["database"], policy["privileged_database"]):
