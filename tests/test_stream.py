@@ -538,9 +538,10 @@ def test_schema_changes_new_version_then_refused_change_stops_without_acknowledg
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
     position = confirmed_lsn(cdc)
     assert acknowledged <= position <= before_commit  # the refused transaction would be resent
-    with pytest.raises(stream.SchemaChangeError):  # a restart stops at the same place: nothing skipped
+    with pytest.raises(stream.SchemaChangeError):  # a restart stops before the same transaction: nothing skipped
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
-    assert confirmed_lsn(cdc) == position
+    # it may confirm what lies between (the DDL's empty transaction, a heartbeat), never the refused commit
+    assert position <= confirmed_lsn(cdc) <= before_commit
     statements_subject = f"{avro_schemas.topic_name(prefix, 'bank.statements')}-value"
     registry.set_compatibility(subject_name=statements_subject, level="NONE")  # the documented remedy
     result = catch_up(cdc)
