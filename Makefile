@@ -42,41 +42,41 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 fetch: $(STAMP)  ## Kafka, Apicurio Registry and Spark's Delta/Kafka/Avro jars into .stack/cache
-	$(PY) -m lib.stack fetch
+	$(PY) -m lib.local.stack fetch
 
 up: install  ## start PostgreSQL, Kafka and the registry (idempotent)
-	$(PY) -m lib.stack up
+	$(PY) -m lib.local.stack up
 
 down:  ## stop the stack (data and logs stay in .stack/)
-	$(PY) -m lib.stack down
+	$(PY) -m lib.local.stack down
 
 status:  ## the stack's services, then the pipeline: services, slot lag and WAL, events/s, merge lag, warnings
-	$(PY) -m lib.stack status
+	$(PY) -m lib.local.stack status
 	echo
-	$(PY) -m lib.monitor
+	$(PY) -m lib.operate.monitor
 
 run: up  ## continuous mode: capture and merge as background processes (after notebooks 01-02, e.g. make demo)
-	$(PY) -m lib.service start
+	$(PY) -m lib.operate.service start
 
 stop:  ## stop the capture and merge processes (the stack keeps running)
-	$(PY) -m lib.service stop
+	$(PY) -m lib.operate.service stop
 
 teardown:  ## drop the slot and publication (TOPICS=1: also the topics); says what is lost, acts only with YES=1
-	$(PY) -m lib.teardown $(if $(YES),--yes) $(if $(TOPICS),--topics)
+	$(PY) -m lib.operate.teardown $(if $(YES),--yes) $(if $(TOPICS),--topics)
 
 logs:
-	$(PY) -m lib.stack logs
+	$(PY) -m lib.local.stack logs
 
 sample: up  ## load the sample bank database (once)
-	$(PY) -m lib.stack sample
+	$(PY) -m lib.local.stack sample
 
 demo: sample  ## the main job on the local stack: notebooks in order, executed copies under runs/
 	if [ -z "$(NOTEBOOKS)" ]; then
 	  echo "demo      no notebooks yet in notebooks/: the stack runs and the sample database is loaded"
 	else
-	  $(PY) -m lib.jobs --target local
+	  $(PY) -m lib.operate.jobs --target local
 	fi
-	$(PY) -m lib.stack status
+	$(PY) -m lib.local.stack status
 	echo
 	echo "Where to look:"
 	echo "  executed notebooks  runs/<timestamp>/ (newest: $$(ls -1d runs/*/ 2>/dev/null | tail -1))"
@@ -92,4 +92,4 @@ jupyter: up  ## JupyterLab on the notebooks, with the stack running
 	$(PY) -m jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser
 
 clean: $(STAMP)  ## stop the stack and delete its data and logs (downloads in .stack/cache stay)
-	$(PY) -m lib.stack clean
+	$(PY) -m lib.local.stack clean

@@ -22,7 +22,10 @@ import uuid
 
 from psycopg2 import sql
 
-from lib import config, sample_db, snapshot, source, teardown
+from lib import config, source
+from lib.capture import snapshot_slot
+from lib.local import sample_db
+from lib.operate import teardown
 
 WRITER_SQL = """
 CREATE OR REPLACE PROCEDURE public.bench_write(total bigint, tx_rows int, rate float8, tag text)
@@ -197,9 +200,9 @@ def cleanup(conf: dict, log=print) -> None:
         for slot in slots:
             for _ in range(100):
                 try:
-                    snapshot.drop_slot(pipeline, slot)
+                    snapshot_slot.drop_slot(pipeline, slot)
                     break
-                except snapshot.SnapshotError:  # its walsender is still going away
+                except snapshot_slot.SnapshotError:  # its walsender is still going away
                     time.sleep(0.2)
         with admin.cursor() as cur:
             cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))

@@ -8,14 +8,14 @@ at the end. The publication holds bank.transactions (15 columns); every row is o
 The slot is created and marked snapshotted with nothing in it, so everything measured is streamed.
 
 - throughput: ``--backlog`` rows are written first (``--tx-rows`` per transaction), then
-  ``lib.stream.run(conf, until="caught_up")`` runs in this process and is timed: events / wall
+  ``lib.capture.stream.run(conf, until="caught_up")`` runs in this process and is timed: events / wall
   time from the call to its return (connecting, registry lookups and the final flush included),
   and the steady rate between the first and last one-second metrics callbacks; also the capture's
   CPU time per event (``time.process_time``: all its threads, librdkafka's included), which
   depends less on what else the machine runs. Then the same again while a server-side writer
   inserts ``--writer-rate`` rows/s in 50-row transactions (CPU taken from the same two cores;
   the rate it achieved is reported).
-- latency: the capture runs as ``python -m lib.stream --until forever`` in a subprocess, caught
+- latency: the capture runs as ``python -m lib.capture.stream --until forever`` in a subprocess, caught
   up; the writer inserts ``--latency-rate`` rows/s in ``--latency-tx-rows``-row transactions
   for ``--latency-seconds``, and a consumer in this process reads every event. Per event:
   commit -> consumer = wall time when the consumer received it minus the transaction's commit
@@ -54,7 +54,8 @@ from confluent_kafka import Consumer, TopicPartition
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 
-from lib import avro_schemas, bootstrap, config, control, schema_registry, snapshot, stream  # noqa: E402
+from lib import config, control, schema_registry  # noqa: E402
+from lib.capture import avro_schemas, bootstrap, snapshot_slot, stream  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = "bank.transactions"
@@ -66,7 +67,7 @@ def prepare(log) -> dict:
     conf = bench_env.isolated([TABLE])
     bootstrap.run(conf, log=lambda line: None)
     slot = config.get(conf, "source.slot")
-    repl, consistent, _ = snapshot.create_slot_with_snapshot(conf, progress=lambda line: None)
+    repl, consistent, _ = snapshot_slot.create_slot_with_snapshot(conf, progress=lambda line: None)
     repl.close()  # nothing to read: the rows before the slot are not part of this benchmark
     control.put(conf, f"snapshot/{slot}", {"state": "complete", "consistent_lsn": consistent, "rows": {}})
     log(f"setup: database {config.get(conf, 'source.database')}, slot {slot}, topic "
@@ -129,11 +130,11 @@ def profile(conf: dict, backlog: int, tx_rows: int, top: int, log) -> str:
 
 
 def start_capture(conf: dict, folder: str, name: str) -> subprocess.Popen:
-    """python -m lib.stream --until forever with this run's overrides; returns once the slot is caught up."""
+    """python -m lib.capture.stream --until forever with this run's overrides; returns once the slot is caught up."""
     env = {**os.environ, **conf["env"]}
     out = open(os.path.join(folder, f"{name}.out"), "w")  # noqa: SIM115 - closed with the process
     err = open(os.path.join(folder, f"{name}.err"), "w")  # noqa: SIM115
-    process = subprocess.Popen([sys.executable, "-m", "lib.stream", "--until", "forever", "--heartbeat-s", "10",
+    process = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--until", "forever", "--heartbeat-s", "10",
                                 "--interval", "5"], cwd=REPO, env=env, stdout=out, stderr=err)
     bench_env.wait_active(conf)
     bench_env.wait_confirmed(conf, bench_env.wal_lsn(conf), timeout_s=300)

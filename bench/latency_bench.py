@@ -5,12 +5,12 @@
 
 Runs in its own database, slot, publication and topic prefix (bench/bench_env.py) with the lake in a
 temporary folder, all removed at the end. The publication holds bank.transactions; notebook 01's
-bootstrap and notebook 02's snapshot (lib.snapshot, the sample's few hundred rows) run first, so the
+bootstrap and notebook 02's snapshot (lib.capture.snapshot, the sample's few hundred rows) run first, so the
 merge starts from the real initial load.
 
-- the capture runs as ``python -m lib.stream --until forever`` in a subprocess (its own process, as
+- the capture runs as ``python -m lib.capture.stream --until forever`` in a subprocess (its own process, as
   in production);
-- the merge runs in this process: ``lib.merge.start(conf, spark, trigger="processing_time",
+- the merge runs in this process: ``lib.lake.merge.start(conf, spark, trigger="processing_time",
   interval=...)``, once per ``--intervals`` value (same checkpoint, so each phase picks up where the
   previous one stopped);
 - per phase: a warm-up (the server-side writer inserts ``--rate`` rows/s in ``--tx-rows``-row
@@ -29,7 +29,7 @@ time goes: commit -> Kafka, Kafka -> start of the micro-batch (waiting for the t
 previous batch; the start is the query progress' ``timestamp``), batch start -> bronze commit
 (planning, decoding, the bronze append), bronze commit -> silver commit (the MERGE). Same machine,
 same clock; millisecond resolution. Inside the foreachBatch body (it runs in this process), timers
-around lib.merge's steps give the control-topic read, decoding with its count job, the bronze append and
+around lib.lake.merge's steps give the control-topic read, decoding with its count job, the bronze append and
 the silver MERGE (plus Delta's own MERGE metrics); the rest of the body is reading the batch from Kafka
 with its first job (which topics and schema ids it holds) and resolving the schemas.
 """
@@ -56,12 +56,14 @@ from pyspark.sql import functions as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 
-from lib import bootstrap, config, merge, snapshot  # noqa: E402
+from lib import config  # noqa: E402
 from lib import spark as spark_session  # noqa: E402
+from lib.capture import bootstrap, snapshot  # noqa: E402
+from lib.lake import lake_paths, merge  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = "bank.transactions"
-STEPS = {"truncates": "control topic read", "_counts": "decode + count job", "_merge_silver": "silver MERGE"}
+STEPS = {"truncates": "control topic read", "_counts": "decode + count job", "merge_silver": "silver MERGE"}
 PARTS = (("capture", "commit -> Kafka"), ("wait", "Kafka -> batch start"), ("bronze", "batch start -> bronze"),
          ("silver", "bronze -> silver"), ("total", "commit -> silver"))
 
@@ -75,10 +77,11 @@ def prepare(folder: str, log) -> dict:
 
 
 def start_capture(conf: dict, folder: str) -> subprocess.Popen:
-    """python -m lib.stream --until forever, with this run's CDC__ overrides; waits until it streams."""
+    """python -m lib.capture.stream --until forever, with this run's CDC__ overrides; waits until it streams."""
     env = {**os.environ, **conf["env"]}
     with open(os.path.join(folder, "capture.out"), "wb") as out, open(os.path.join(folder, "capture.err"), "wb") as err:
-        process = subprocess.Popen([sys.executable, "-m", "lib.stream", "--until", "forever", "--heartbeat-s", "10",
+        process = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--until", "forever",
+                                    "--heartbeat-s", "10",
                                     "--interval", "10"], cwd=REPO, env=env, stdout=out, stderr=err)
     bench_env.wait_active(conf)
     return process
@@ -96,7 +99,7 @@ def stop_capture(process: subprocess.Popen, folder: str) -> str:
 
 def committed_offsets(conf: dict) -> dict[str, dict[str, int]]:
     """Kafka offsets up to which the merge checkpoint has finished micro-batches: {topic: {partition: offset}}."""
-    folder = Path(merge.checkpoint_path(conf, merge.query_name(conf)))
+    folder = Path(lake_paths.checkpoint_path(conf, lake_paths.query_name(conf)))
     done = [int(p.name) for p in (folder / "commits").iterdir() if p.name.isdigit()] if (folder / "commits").is_dir() \
         else []
     if not done:
@@ -113,7 +116,7 @@ def wait_merged(conf: dict, query, log, timeout_s: float = 900.0) -> None:
     """Wait until the merge query has finished batches up to the table topic's current end (every partition)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    spec = merge.table_specs(conf)[0]
+    spec = lake_paths.table_specs(conf)[0]
     consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
                          "group.id": f"bench-latency-{time.monotonic_ns()}", "enable.auto.commit": False})
     try:
@@ -141,7 +144,7 @@ def wait_merged(conf: dict, query, log, timeout_s: float = 900.0) -> None:
 def instrument() -> dict[str, float]:
     """Time steps of the merge's foreachBatch body (it runs in this process): seconds spent per step so far.
 
-    Wraps lib.merge's step functions and DataFrameWriter.save (in the body only the bronze append saves;
+    Wraps lib.lake.merge's step functions and DataFrameWriter.save (in the body only the bronze append saves;
     dead letters would too, and the bench has none) with timers, in this process only.
     """
     spent = {name: 0.0 for name in [*STEPS.values(), "bronze append"]}
@@ -247,13 +250,13 @@ def percentile(values: list[float], p: float) -> float:
 
 def measure(conf: dict, spark, phase: dict) -> dict:
     """Per measured event: the latency and its parts, in seconds; per micro-batch: where its time went."""
-    spec = merge.table_specs(conf)[0]
-    bronze = spark.read.format("delta").load(merge.bronze_path(conf, spec))
+    spec = lake_paths.table_specs(conf)[0]
+    bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec))
     events = bronze.filter(~F.col("_tombstone") & F.array_contains(F.col("after.tags"), phase["tag"])).select(
         F.col("source.ts_ms").alias("commit"), F.unix_millis("_kafka_timestamp").alias("kafka"),
         F.col("_batch_id").alias("batch")).collect()
-    silver = silver_commits(merge.silver_path(conf, spec), phase["history"], spec.qualified)
-    bronze_at = {c["batch"]: c for c in delta_commits(merge.bronze_path(conf, spec)) if c["batch"] is not None}
+    silver = silver_commits(lake_paths.silver_path(conf, spec), phase["history"], spec.qualified)
+    bronze_at = {c["batch"]: c for c in delta_commits(lake_paths.bronze_path(conf, spec)) if c["batch"] is not None}
     starts = batch_starts(phase["progress"])
     parts: dict[str, list[float]] = {name: [] for name, _ in PARTS}
     for e in events:

@@ -4,7 +4,7 @@
 
 Synthetic events (Confluent-framed Avro, the Debezium envelope of a 6-column table, keys drawn
 from --keys) are encoded in Spark (to_avro), written once to parquet, then split into --batches
-micro-batches. Each batch is decoded with lib.merge (cached), then timed on the same rows: a plain
+micro-batches. Each batch is decoded with lib.lake.merge (cached), then timed on the same rows: a plain
 append of the decoded rows to a Delta table, the silver path (dedup per key + the one MERGE), and,
 for reference, the plainest Delta MERGE of the same rows (dropDuplicates on the key, then
 updateAll/insertAll, no ordering, no tombstones). The three Delta tables are created, empty, before
@@ -25,9 +25,11 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import to_avro
 
-from lib import avro_schemas, config, merge, schema_registry
+from lib import config, schema_registry
 from lib import spark as spark_session
-from lib.catalog import Column, PgType, Table
+from lib.capture import avro_schemas
+from lib.capture.catalog import Column, PgType, Table
+from lib.lake import decode, delta_io, lake_paths, silver_table, writer_schemas
 
 
 def bench_table() -> Table:
@@ -90,7 +92,7 @@ def main(argv=None) -> None:
     spark.sparkContext.setLogLevel("ERROR")
     table = bench_table()
     registry = schema_registry.client(conf)
-    spec = merge.table_specs(conf)[0]
+    spec = lake_paths.table_specs(conf)[0]
     key_subject, value_subject = schema_registry.subjects(spec.topic)
     value_schema, key_schema = avro_schemas.value_schema(table, prefix), avro_schemas.key_schema(table, prefix)
     value_id = schema_registry.register(registry, value_subject, value_schema)[0]
@@ -99,30 +101,30 @@ def main(argv=None) -> None:
     began = time.monotonic()
     make_input(spark, source_path, args.events, args.keys, spec.topic, value_schema, value_id, key_schema, key_id)
     print(f"input: {args.events} events over {args.keys} keys encoded in {time.monotonic() - began:.1f} s")
-    schemas = merge.Schemas(conf, registry)
-    layout = merge._layout(spark, schemas, spec, {value_id}, {key_id})
+    schemas = writer_schemas.Schemas(conf, registry)
+    layout = writer_schemas.table_layout(spark, schemas, spec, {value_id}, {key_id})
     raw = spark.read.parquet(source_path)
     per_batch = -(-args.events // args.batches)
     totals = {"append": 0.0, "merge": 0.0, "plain": 0.0, "rows": 0}
-    append_path, silver = os.path.join(lake, "append"), merge.silver_path(conf, spec)
+    append_path, silver = os.path.join(lake, "append"), lake_paths.silver_path(conf, spec)
     plain_path = os.path.join(lake, "plain_merge")
     # the three tables exist before the clock starts: creating one is a one-time cost, not rows/s
     ready = {}
-    merge._ensure_table(spark, silver, merge.silver_schema(layout), ["id", *merge.META_COLUMNS])
+    delta_io.ensure_table(spark, silver, silver_table.silver_schema(layout), ["id", *lake_paths.META_COLUMNS])
     empty = spark.createDataFrame([], layout.row)
     empty.write.format("delta").save(append_path)
     empty.write.format("delta").save(plain_path)
     for batch in range(args.batches):
         rows = raw.filter((F.col("offset") >= batch * per_batch) & (F.col("offset") < (batch + 1) * per_batch))
-        decoded = merge.decode(merge.headers(rows), spark, schemas, layout, batch).persist()
+        decoded = decode.decode(decode.headers(rows), spark, schemas, layout, batch).persist()
         n = decoded.count()
         plain = decoded.filter(F.col("__reason").isNull()).select("__env.after.*")
         began = time.monotonic()
         plain.write.format("delta").mode("append").save(append_path)
         append_s = time.monotonic() - began
         began = time.monotonic()
-        source = merge.merge_source(decoded, layout, None, toast=False)
-        merge._merge_silver(spark, silver, spec, layout, source, None, ready)
+        source = silver_table.merge_source(decoded, layout, None, toast=False)
+        silver_table.merge_silver(spark, silver, spec, layout, source, None, ready)
         merge_s = time.monotonic() - began
         began = time.monotonic()
         latest = plain.dropDuplicates(["id"])

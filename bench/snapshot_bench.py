@@ -8,7 +8,7 @@ source.tables), bank.transactions grown to ``--rows`` rows, then VACUUM ANALYZE.
 1. COPY: ``COPY (SELECT * FROM <table>) TO STDOUT`` of every table, one after the other on one
    psycopg2 connection, into a sink that only counts bytes (text format).
 2. snapshot: a new slot and topic prefix for the round, prepared by notebook 01's
-   ``lib.bootstrap.run``, then ``lib.snapshot.run(conf, spark)`` timed from the call to its
+   ``lib.capture.bootstrap.run``, then ``lib.capture.snapshot.run(conf, spark)`` timed from the call to its
    return (slot creation, planning, every table read by Spark over JDBC, encoded to Avro and
    written to Kafka, offsets checked, control record written).
 
@@ -30,16 +30,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 
-from lib import (  # noqa: E402
+from lib import config, schema_registry, source  # noqa: E402
+from lib import spark as spark_session  # noqa: E402
+from lib.capture import (  # noqa: E402
     avro_schemas,
     bootstrap,
     catalog,
-    config,
-    schema_registry,
     snapshot,
-    source,
+    snapshot_read,
+    snapshot_slot,
+    snapshot_write,
 )
-from lib import spark as spark_session  # noqa: E402
 
 BIG_TABLE = "bank.transactions"
 
@@ -127,7 +128,7 @@ def drop_slot(conf: dict) -> None:
     conn = source.connect(conf)
     conn.autocommit = True
     try:
-        snapshot.drop_slot(conn, config.get(conf, "source.slot"))
+        snapshot_slot.drop_slot(conn, config.get(conf, "source.slot"))
     finally:
         conn.close()
 
@@ -150,25 +151,25 @@ def breakdown(conf: dict, spark, log) -> dict:
     value_schema = avro_schemas.value_schema(table, prefix, unknown_types)
     key_id = schema_registry.register(registry, key_subject, key_schema)[0]
     value_id = schema_registry.register(registry, value_subject, value_schema)[0]
-    repl, consistent, name = snapshot.create_slot_with_snapshot(conf, progress=lambda line: None)
+    repl, consistent, name = snapshot_slot.create_slot_with_snapshot(conf, progress=lambda line: None)
     out = {}
     try:
-        planner = snapshot.snapshot_connection(conf, name)
+        planner = snapshot_slot.snapshot_connection(conf, name)
         try:
-            plan = snapshot.plan_partitions(planner, table, int(config.get(conf, "snapshot.partition_rows",
-                                                                           snapshot.DEFAULT_PARTITION_ROWS)),
-                                            snapshot.DEFAULT_MAX_PARTITIONS, spark.sparkContext.defaultParallelism)
+            plan = snapshot_read.plan_partitions(planner, table, int(config.get(conf, "snapshot.partition_rows",
+                                                                           snapshot_read.DEFAULT_PARTITION_ROWS)),
+                                            snapshot_read.DEFAULT_MAX_PARTITIONS, spark.sparkContext.defaultParallelism)
         finally:
             planner.close()
         out["rows"], out["partitions"] = plan["rows"], plan["partitions"]
 
         def frames():
-            rows, fields = snapshot.read_table(spark, conf, table, name, plan, unknown_types)
-            encoded = snapshot.encode(rows, table, conf, key_schema, value_schema, key_id, value_id, consistent,
-                                      int(time.time() * 1000), fields)
+            rows, fields = snapshot_read.read_table(spark, conf, table, name, plan, unknown_types)
+            encoded = snapshot_write.encode(rows, table, conf, key_schema, value_schema, key_id, value_id,
+                                            consistent, int(time.time() * 1000), fields)
             return rows, encoded
 
-        query = snapshot.select_sql(table, unknown_types)[0]
+        query = snapshot_read.select_sql(table, unknown_types)[0]
         out["copy_select"] = copy_out(conf, [BIG_TABLE], {BIG_TABLE: query})["seconds"]
         log(f"breakdown: COPY of the snapshot's SELECT: {plan['rows']:,} rows in {out['copy_select']:.1f} s")
         for step in ("read", "read+encode", "read+encode+kafka"):
@@ -179,7 +180,7 @@ def breakdown(conf: dict, spark, log) -> dict:
             elif step == "read+encode":
                 encoded.write.format("noop").mode("overwrite").save()
             else:
-                snapshot.write(encoded, conf, topic)
+                snapshot_write.write(encoded, conf, topic)
             out[step] = time.monotonic() - began
             log(f"breakdown: {step}: {plan['rows']:,} rows in {out[step]:.1f} s ({plan['rows'] / out[step]:,.0f} "
                 f"rows/s, {plan['partitions']} partitions)")
@@ -191,7 +192,8 @@ def breakdown(conf: dict, spark, log) -> dict:
 
 def report(rounds: list[dict], parts: dict | None, copy_big: float | None, load_before: str, load_after: str) -> str:
     """The results as markdown tables."""
-    lines = ["| round | COPY TO STDOUT | snapshot (lib.snapshot.run) | ratio | target |", "|---|---|---|---|---|"]
+    lines = ["| round | COPY TO STDOUT | snapshot (lib.capture.snapshot.run) | ratio | target |",
+             "|---|---|---|---|---|"]
     for i, r in enumerate(rounds, 1):
         copy_rate, snap_rate = r["rows"] / r["copy_s"], r["rows"] / r["snapshot_s"]
         ratio = snap_rate / copy_rate

@@ -6,7 +6,7 @@ One compacted topic per topic prefix, ``<topic_prefix>.__cdc_control``, keyed by
   slot's consistent point, rows per table). Streaming refuses to start before ``complete``.
 - ``truncate/<schema.table>``: the position of the latest TRUNCATE of a table (a truncate has
   no key, so it cannot live in the table's own compacted topic).
-- ``incremental/<slot>/<schema.table>``: an incremental snapshot's request and progress (lib.incremental).
+- ``incremental/<slot>/<schema.table>``: an incremental snapshot's request and progress (lib.capture.incremental).
 - ``service/<slot>/capture|merge``: a lease the running continuous service renews (host, pid, valid
   until); the notebooks' capture and merge steps refuse while it is valid (one slot, one checkpoint).
 
@@ -132,7 +132,7 @@ def _refuse(bad: dict[str, str]) -> None:
                        f"guess. Look at it with python -m lib.control show {key!r}; if it was written by hand or by "
                        f"mistake, remove it with python -m lib.control delete {key!r} (add --target <target>), then "
                        f"restart; a truncate/ or snapshot/ record may need its table re-snapshotted "
-                       f"(lib.incremental resnapshot)")
+                       f"(lib.operate.tables resnapshot)")
 
 
 def lease_key(conf: dict, service: str) -> str:

@@ -1,7 +1,7 @@
 """Register Avro schemas in the Confluent-compatible registry (Apicurio's /apis/ccompat/v7 locally).
 
 Subjects follow TopicNameStrategy: ``<topic>-key`` and ``<topic>-value`` (``subjects(topic)``).
-Schemas are always sent as ``avro_schemas.canonical_json`` text: Apicurio compares schema
+Schemas are always sent as ``canonical_json`` text: Apicurio compares schema
 text literally, so any other spelling of the same schema would become a new version.
 
 Apicurio's global compatibility rule is NONE (Confluent's default is BACKWARD), so
@@ -11,11 +11,12 @@ subject; it never changes the setting of a subject that already exists.
 
 from __future__ import annotations
 
+import json
+
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from lib import config, secrets
-from lib.avro_schemas import canonical_json
 
 COMPATIBILITY_LEVELS = ("BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL",
                         "FULL_TRANSITIVE", "NONE")
@@ -29,6 +30,15 @@ class RegistryError(RuntimeError):
 
 class IncompatibleSchemaError(RegistryError):
     """The registry rejected a new schema version under the subject's compatibility rule (HTTP 409)."""
+
+
+def canonical_json(schema) -> str:
+    """The one JSON text of a schema we register and look up (sorted keys, no spaces).
+
+    The registry (Apicurio's ccompat API) compares schema text literally: the same schema
+    with different whitespace or key order is a new version there. Always send this form.
+    """
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def client(conf: dict) -> SchemaRegistryClient:

@@ -26,7 +26,7 @@ class CatalogError(RuntimeError):
 
 
 def local_jars(jars_dir: str) -> list[str]:
-    """Sorted jar paths in jars_dir (filled from lib/stack/poms/spark.xml, which already leaves out pyspark's jars)."""
+    """Sorted jar paths in jars_dir (filled from lib/local/stack/poms/spark.xml, which leaves out pyspark's jars)."""
     return sorted(glob.glob(os.path.join(jars_dir, "*.jar")))
 
 

@@ -11,8 +11,11 @@ import psycopg2
 import pytest
 from psycopg2 import sql
 
-from lib import bootstrap, config, control, sample_db, source, spark, stack, teardown
-from lib.pgoutput import str_to_lsn
+from lib import config, control, source, spark
+from lib.capture import bootstrap
+from lib.capture.pgoutput import str_to_lsn
+from lib.local import sample_db, stack
+from lib.operate import teardown
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lib import config, source
-from lib.pgoutput import str_to_lsn
+from lib.capture.pgoutput import str_to_lsn
 
 
 def confirmed_lsn(conf: dict) -> int:

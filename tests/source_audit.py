@@ -11,7 +11,8 @@ from collections import Counter
 
 from psycopg2 import sql
 
-from lib import catalog, config, source
+from lib import config, source
+from lib.capture import catalog
 
 AUDIT = """
 CREATE SCHEMA audit_kill;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from topic_rows import latest_rows
 
-from lib import stream
+from lib.capture import stream
 
 pytestmark = pytest.mark.stack
 

@@ -6,7 +6,9 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg2 import sql
 
-from lib import bootstrap, config, control, sample_db, schema_registry, source, topics
+from lib import config, control, schema_registry, source, topics
+from lib.capture import bootstrap
+from lib.local import sample_db
 from lib.source import SourceError
 
 

@@ -15,7 +15,8 @@ import tomllib
 import yaml
 from databricks.bundles.jobs import Job
 
-from lib import config, runtime, secrets, service
+from lib import config, runtime, secrets
+from lib.operate import metrics, service
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = yaml.safe_load((ROOT / "bundle.yml").read_text())
@@ -184,11 +185,11 @@ def test_continuous_jobs_run_the_service_entry_point():
         wheel = step["python_wheel_task"]
         assert wheel["package_name"] == project["name"].replace("-", "_")
         module, _, function = project["scripts"][wheel["entry_point"]].partition(":")
-        assert (module, function) == ("lib.service", "main")
+        assert (module, function) == ("lib.operate.service", "main")
         args = service.parser().parse_args(wheel["parameters"])
         assert args.command == "run" and args.run_target == "${var.conf_target}"
         started.add(args.service)
-    assert started == set(service.SERVICES)
+    assert started == set(metrics.SERVICES)
 
 
 def test_no_literal_secret():

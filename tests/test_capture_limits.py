@@ -12,8 +12,9 @@ import pytest
 from confluent_kafka import Producer
 from slots import confirmed_lsn
 
-from lib import config, control, stream
-from lib.pgoutput import str_to_lsn
+from lib import config, control
+from lib.capture import stream
+from lib.capture.pgoutput import str_to_lsn
 
 pytestmark = pytest.mark.stack
 

@@ -11,8 +11,9 @@ import fastavro
 import psycopg2.extensions
 import pytest
 
-from lib import avro_schemas, catalog, config, pgtypes, schema_registry, source
-from lib.catalog import CatalogError
+from lib import config, schema_registry, source
+from lib.capture import avro_schemas, catalog, pgtypes
+from lib.capture.catalog import CatalogError
 from lib.schema_registry import IncompatibleSchemaError
 
 pytestmark = pytest.mark.stack

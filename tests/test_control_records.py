@@ -7,7 +7,8 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from lib import config, control, teardown
+from lib import config, control
+from lib.operate import teardown
 
 pytestmark = pytest.mark.stack
 

@@ -22,10 +22,12 @@ from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 from pyspark.sql import types as T
 
-from lib import avro_schemas, catalog, config, control, merge, pgtypes, reconcile, schema_registry, secrets, source
+from lib import config, control, schema_registry, secrets, source
 from lib import topics as kafka_topics
-from lib.stack import connect
-from lib.stack import stack_dir as stack_folder
+from lib.capture import avro_schemas, catalog, pgtypes
+from lib.lake import browse, lake_paths, merge, reconcile
+from lib.local.stack import connect
+from lib.local.stack import stack_dir as stack_folder
 
 pytestmark = pytest.mark.stack
 
@@ -225,19 +227,19 @@ def test_debezium_topics_merge_into_exact_silver(dbz, spark_session):
     conn.close()
     for name in TABLES:
         expected = reconcile.source_types(spark, described[name], conf)
-        have = merge.silver(spark, conf, name).schema
+        have = browse.silver(spark, conf, name).schema
         assert [(f.name, f.dataType) for f in have.fields if not f.name.startswith("_")] == \
             [(f.name, f.dataType) for f in expected.fields], name
-    assert isinstance(merge.silver(spark, conf, "dbz.accounts").schema["updated"].dataType, T.TimestampType)
+    assert isinstance(browse.silver(spark, conf, "dbz.accounts").schema["updated"].dataType, T.TimestampType)
 
-    accounts = {r["id"]: r for r in merge.silver(spark, conf, "dbz.accounts", include_deleted=True).collect()}
+    accounts = {r["id"]: r for r in browse.silver(spark, conf, "dbz.accounts", include_deleted=True).collect()}
     assert accounts[7]["_deleted"] and accounts[11]["_deleted"] and accounts[30]["_deleted"]
     assert not accounts[1000]["_deleted"] and accounts[1001]["note"] is not None and accounts[1001]["doc"]
     assert accounts[9]["owner"] == "reborn" and not accounts[9]["_deleted"]
     assert accounts[1]["note"] is not None and accounts[1]["_unknown_cols"] is None  # TOAST kept from the snapshot
     assert accounts[20]["_event_serial"] == -1 and accounts[1]["_event_serial"] > 0  # snapshot row vs stream
 
-    bronze = spark.read.format("delta").load(merge.bronze_path(conf, merge.table_specs(conf)[0]))
+    bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, lake_paths.table_specs(conf)[0]))
     toasted = [r for r in bronze.filter("op = 'u' AND key.id = 1").collect() if r["unchanged_cols"]]
     assert toasted and set(toasted[-1]["unchanged_cols"]) >= {"note", "doc"}, "no TOAST placeholder reached bronze"
     snapshot = bronze.filter("op = 'r'").select("source.commit_lsn", "source.event_serial").distinct().collect()

@@ -1,4 +1,4 @@
-"""lib/debezium.py on small frames: Debezium's positions, semantic types, TOAST placeholders and variable-scale
+"""lib/lake/debezium.py on small frames: Debezium's positions, semantic types, TOAST placeholders and variable-scale
 decimals, as the merge maps them (the real connector runs in tests/test_debezium_interop.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from lib import debezium
+from lib.lake import debezium
 
 SOURCE = "snapshot string, sequence string, lsn long, commit_lsn long, event_serial long"
 

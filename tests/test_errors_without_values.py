@@ -6,8 +6,8 @@ from decimal import Decimal
 
 import pytest
 
-from lib import events, pgtypes
-from lib.catalog import Column, PgType
+from lib.capture import events, pgtypes
+from lib.capture.catalog import Column, PgType
 
 CANARY = "4929123456789012"  # looks like a card number: it must not appear in any message
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from lib import events, pgtypes
-from lib.catalog import Column, PgType
+from lib.capture import events, pgtypes
+from lib.capture.catalog import Column, PgType
 
 
 def reference_long(n: int) -> bytes:

@@ -10,20 +10,11 @@ import time
 import pytest
 from psycopg2 import sql
 
-from lib import (
-    bootstrap,
-    catalog,
-    config,
-    incremental,
-    merge,
-    reconcile,
-    sample_db,
-    snapshot,
-    source,
-    stream,
-    teardown,
-    workload,
-)
+from lib import config, source
+from lib.capture import bootstrap, catalog, incremental, snapshot, stream
+from lib.lake import browse, lake_paths, merge, reconcile
+from lib.local import sample_db, workload
+from lib.operate import tables, teardown
 
 pytestmark = pytest.mark.stack
 
@@ -105,7 +96,7 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
     snapshot.run(incr, spark_session, progress=lambda line: None)
     before = merge.run_until_caught_up(incr, spark_session)  # the initial tables: the checkpoint knows their topics
     assert before["batches"] >= 1
-    assert {r["table"] for r in merge.summary(spark_session, incr).collect()} == set(config.get(incr, "source.tables"))
+    assert {r["table"] for r in browse.summary(spark_session, incr).collect()} == set(config.get(incr, "source.tables"))
     lines: list[str] = []
     stop = threading.Event()
     capture: dict = {}
@@ -120,7 +111,7 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
     try:
         time.sleep(3)
         added = with_added(incr)
-        record = incremental.add_table(added, ADDED, log=lines.append)
+        record = tables.add_table(added, ADDED, log=lines.append)
         assert record["state"] == "ready" and record["key_columns"] == ["transaction_id"]
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and thread.is_alive():
@@ -141,7 +132,7 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
     assert any(line.startswith(f"incremental {ADDED}: no merge service runs here") for line in lines), lines[-20:]
 
     stream.run(added, until="caught_up")  # what the workload wrote last, with the conf that lists the table
-    assert merge.query_name(added) == merge.query_name(incr)  # same lake root, same checkpoint: a restarted merge
+    assert lake_paths.query_name(added) == lake_paths.query_name(incr)  # same root and checkpoint: a restarted merge
     after = merge.run_until_caught_up(added, spark_session)
     assert after["batches"] >= 1
     results = reconcile.reconcile(added, spark_session)

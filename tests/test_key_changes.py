@@ -14,8 +14,9 @@ import pytest
 import topic_rows
 from slots import confirmed_lsn
 
-from lib import schema_registry, stream
-from lib.pgoutput import str_to_lsn
+from lib import schema_registry
+from lib.capture import stream, stream_state
+from lib.capture.pgoutput import str_to_lsn
 
 pytestmark = pytest.mark.stack
 
@@ -47,7 +48,7 @@ def test_a_narrowed_composite_key_stops_the_capture_before_the_change(small_sour
     _run(src.conf)
     changed = _sql(src, "ALTER TABLE {s}.pairs DROP CONSTRAINT pairs_pkey, ADD PRIMARY KEY (a)",
                    "INSERT INTO {s}.pairs VALUES (2, 2, 'y')")
-    with pytest.raises(stream.SchemaChangeError, match=r"primary key changed from \(a, b\) to \(a\).*new topic"
+    with pytest.raises(stream_state.SchemaChangeError, match=r"primary key changed from \(a, b\) to \(a\).*new topic"
                                                        r".*lib\.incremental remove") as raised:
         _run(src.conf)
     assert f"{src.schema}.pairs" in str(raised.value)
@@ -81,6 +82,6 @@ def test_a_key_type_change_that_changes_the_bytes_stops_the_capture(small_source
     _sql(src, "INSERT INTO {s}.items VALUES (1, 'a')")
     _run(src.conf)
     changed = _sql(src, "ALTER TABLE {s}.items ALTER id TYPE text", "UPDATE {s}.items SET v = 'b'")
-    with pytest.raises(stream.SchemaChangeError, match=r"key column id changed type.*new topic"):
+    with pytest.raises(stream_state.SchemaChangeError, match=r"key column id changed type.*new topic"):
         _run(src.conf)
     assert confirmed_lsn(src.conf) <= changed

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 from psycopg2 import sql
 
-from lib import bootstrap, catalog, config, control, peek, source, stream, teardown
-from lib.catalog import CatalogError
-from lib.pgoutput import str_to_lsn
+from lib import config, control, source
+from lib.capture import bootstrap, catalog, peek, stream
+from lib.capture.catalog import CatalogError
+from lib.capture.pgoutput import str_to_lsn
+from lib.operate import teardown
 
 pytestmark = pytest.mark.stack
 

@@ -11,7 +11,7 @@ from decimal import Decimal
 import pytest
 from pyspark.sql import types as T
 
-from lib import masking
+from lib.views import masking
 
 SALT_ENV = "CDC_TEST_MASKING_SALT"
 TABLE = "bank.customers"

@@ -13,7 +13,9 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
-from lib import avro_schemas, catalog, config, control, merge, pgtypes, reconcile, schema_registry, topics
+from lib import config, control, schema_registry, topics
+from lib.capture import avro_schemas, catalog, pgtypes
+from lib.lake import browse, lake_paths, merge, reconcile
 
 pytestmark = pytest.mark.stack
 
@@ -143,10 +145,10 @@ def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_c
     done = merge.run_until_caught_up(conf, spark, cleanup=False)  # restarts from the checkpoint: batch 1 again
     assert done["batches"] >= 1 and 0 < done["events"] + done["tombstones"] < capture.sent
 
-    spec = merge.table_specs(conf)[0]
-    bronze = spark.read.format("delta").load(merge.bronze_path(conf, spec))
+    spec = lake_paths.table_specs(conf)[0]
+    bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec))
     assert bronze.count() == bronze.select("_kafka_partition", "_kafka_offset").distinct().count() == capture.sent
-    silver = {r["id"]: r for r in merge.silver(spark, conf, "mstream.accounts", include_deleted=True).collect()}
+    silver = {r["id"]: r for r in browse.silver(spark, conf, "mstream.accounts", include_deleted=True).collect()}
     assert sorted(k for k, r in silver.items() if not r["_deleted"]) == sorted(after)
     assert all(silver[k]["_deleted"] and silver[k]["_op"] == "d" for k in range(11, 16))
 

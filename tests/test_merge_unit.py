@@ -29,8 +29,10 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from pyspark.sql import types as T
 
-from lib import avro_schemas, config, control, events, merge, schema_registry
-from lib.catalog import Column, PgType, Table
+from lib import config, control, schema_registry
+from lib.capture import avro_schemas, events
+from lib.capture.catalog import Column, PgType, Table
+from lib.lake import browse, lake_paths, merge, micro_batch, silver_table, writer_schemas
 
 pytestmark = pytest.mark.stack
 
@@ -206,26 +208,27 @@ def run(unit_conf, spark_session):
     batch1 = [row for topic, messages in batch1_messages.items() for row in feed.rows(topic, messages)]
 
     app_id = f"unit-{uuid.uuid4().hex[:6]}"
-    ctx = merge.context(conf, query="unit", app_id=app_id)
+    ctx = micro_batch.context(conf, query="unit", app_id=app_id)
     frame = lambda rows: spark.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
-    stats = [merge.process_batch(frame(batch0), 0, ctx)]
+    stats = [micro_batch.process_batch(frame(batch0), 0, ctx)]
     items_after_0 = _rows(spark, conf, "items")
     control.put(conf, "truncate/unit.trunc", {"commit_lsn": 20, "event_serial": 0, "ts_ms": NOW_MS})
-    stats.append(merge.process_batch(frame(batch1), 1, ctx))
+    stats.append(micro_batch.process_batch(frame(batch1), 1, ctx))
     versions_after_1, silver_after_1 = _versions(spark, conf), _silver_rows(spark, conf)
     # the same batch again in a new context, as after a crash: the bronze commits are found by their batch id
-    stats.append(merge.process_batch(frame(batch1), 1, merge.context(conf, query="unit", app_id=app_id)))
+    stats.append(micro_batch.process_batch(frame(batch1), 1, micro_batch.context(conf, query="unit", app_id=app_id)))
     versions_after_retry, silver_after_retry = _versions(spark, conf), _silver_rows(spark, conf)
     # once more with Delta told not to materialize MERGE sources: it then refuses our cached source
     # (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION) and the merge runs the MERGE again on a checkpointed copy
     warnings = _Collect()
-    logging.getLogger("lib.merge").addHandler(warnings)
+    logging.getLogger("lib.lake").addHandler(warnings)
     spark.conf.set("spark.databricks.delta.merge.materializeSource", "none")
     try:
-        stats.append(merge.process_batch(frame(batch1), 1, merge.context(conf, query="unit", app_id=app_id)))
+        ctx = micro_batch.context(conf, query="unit", app_id=app_id)
+        stats.append(micro_batch.process_batch(frame(batch1), 1, ctx))
     finally:
         spark.conf.unset("spark.databricks.delta.merge.materializeSource")
-        logging.getLogger("lib.merge").removeHandler(warnings)
+        logging.getLogger("lib.lake").removeHandler(warnings)
     return {"conf": conf, "spark": spark, "stats": stats, "versions_after_1": versions_after_1,
             "versions_after_retry": versions_after_retry, "silver_after_1": silver_after_1,
             "silver_after_retry": silver_after_retry, "silver_after_refused": _silver_rows(spark, conf),
@@ -248,20 +251,21 @@ def _versions(spark, conf) -> dict:
     """Latest Delta version of every bronze and silver table and the dead-letter table."""
     from delta.tables import DeltaTable
 
-    paths = [merge.dead_letter_path(conf)] + [p for spec in merge.table_specs(conf)
-                                              for p in (merge.bronze_path(conf, spec), merge.silver_path(conf, spec))]
+    paths = [lake_paths.dead_letter_path(conf)] + [
+        p for spec in lake_paths.table_specs(conf) for p in (lake_paths.bronze_path(conf, spec),
+                                                              lake_paths.silver_path(conf, spec))]
     return {p: DeltaTable.forPath(spark, p).history(1).collect()[0]["version"] for p in paths}
 
 
 def _silver_rows(spark, conf) -> dict:
     """Every silver table's rows, every column, sorted."""
-    return {spec.qualified: sorted(map(str, merge.silver(spark, conf, spec.qualified, include_deleted=True).collect()))
-            for spec in merge.table_specs(conf)}
+    return {spec.qualified: sorted(map(str, browse.silver(spark, conf, spec.qualified, include_deleted=True).collect()))
+            for spec in lake_paths.table_specs(conf)}
 
 
 def _rows(spark, conf, table) -> dict:
     """Every silver row (deleted ones too) by id."""
-    return {r["id"]: r.asDict() for r in merge.silver(spark, conf, f"unit.{table}", include_deleted=True).collect()}
+    return {r["id"]: r.asDict() for r in browse.silver(spark, conf, f"unit.{table}", include_deleted=True).collect()}
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +281,7 @@ def test_order_duplicates_and_toast_inside_one_batch(items):
 
 
 def test_typed_columns_come_out_with_spark_types(run, items):
-    schema = merge.silver(run["spark"], run["conf"], "unit.items").schema
+    schema = browse.silver(run["spark"], run["conf"], "unit.items").schema
     types = {f.name: f.dataType for f in schema.fields}
     assert types["amount"] == T.DecimalType(14, 2)
     assert types["paid_at"] == T.TimestampType() and types["local_at"] == T.TimestampNTZType()
@@ -335,10 +339,10 @@ def test_truncate_from_the_control_topic(run):
 
 
 def test_poison_goes_to_the_dead_letter_table_and_good_rows_still_merge(run, items):
-    counts = {(r["reason"]): r["messages"] for r in merge.dead_letter_counts(run["spark"], run["conf"]).collect()}
+    counts = {(r["reason"]): r["messages"] for r in browse.dead_letter_counts(run["spark"], run["conf"]).collect()}
     assert counts == {"not_framed": 3, "unknown_schema_id": 1, "undecodable": 1, "null_key": 1}
     assert run["stats"][0]["dead_letters"] == counts
-    dead = run["spark"].read.format("delta").load(merge.dead_letter_path(run["conf"])) \
+    dead = run["spark"].read.format("delta").load(lake_paths.dead_letter_path(run["conf"])) \
         .filter("reason = 'undecodable'").collect()[0]
     assert dead["value"].endswith(b"\xff\xff\xff") and dead["value_schema_id"] == run["items_id"]
     assert "offset" in dead["detail"] and dead["topic"].endswith("unit.items")
@@ -353,30 +357,31 @@ def test_a_retried_batch_appends_nothing_and_changes_no_silver_row(run):
     assert {p: run["versions_after_retry"][p] for p in appends} == {p: run["versions_after_1"][p] for p in appends}
     assert run["silver_after_retry"] == run["silver_after_1"]  # ...the MERGEs ran again and changed nothing
     assert sum(len(rows) for rows in run["silver_after_1"].values()) > 10
-    bronze = run["spark"].read.format("delta").load(merge.bronze_path(run["conf"], merge.table_specs(run["conf"])[0]))
+    first = lake_paths.table_specs(run["conf"])[0]
+    bronze = run["spark"].read.format("delta").load(lake_paths.bronze_path(run["conf"], first))
     assert bronze.count() == bronze.select("_kafka_partition", "_kafka_offset").distinct().count() == 13 + 1 + 6
 
 
 def test_summary_and_cleanup_of_old_tombstones(run):
-    summary = {r["table"]: r for r in merge.summary(run["spark"], run["conf"]).collect()}
+    summary = {r["table"]: r for r in browse.summary(run["spark"], run["conf"]).collect()}
     assert summary["unit.items"]["silver_rows"] == 5 and summary["unit.items"]["deleted_rows"] == 4
     assert summary["unit.trunc"]["last_lsn"] == "0/1E"
-    assert merge.cleanup_tombstones(run["spark"], run["conf"])["unit.items"] == 0  # younger than 168 h
-    removed = merge.cleanup_tombstones(run["spark"], run["conf"], retention_hours=0)
+    assert silver_table.cleanup_tombstones(run["spark"], run["conf"])["unit.items"] == 0  # younger than 168 h
+    removed = silver_table.cleanup_tombstones(run["spark"], run["conf"], retention_hours=0)
     assert removed == {"unit.items": 4, "unit.evolve": 0, "unit.trunc": 2}
 
 
 def test_key_history_lists_one_keys_events_in_arrival_order_with_positions(run):
-    one = merge.key_history(run["spark"], run["conf"], "unit.items", {"id": 1}).collect()
+    one = browse.key_history(run["spark"], run["conf"], "unit.items", {"id": 1}).collect()
     assert [(r["op"], r["commit_lsn"], r["batch"]) for r in one] == [("u", 111, 0), ("r", 100, 0), ("u", 110, 0),
                                                                       ("u", 105, 1)]
     assert one[0]["after"]["name"] == "one-c" and one[0]["lsn"] == "0/6F" and one[1]["position"] == "(0/64, -1)"
-    four = merge.key_history(run["spark"], run["conf"], "items", {"id": 4}).collect()
+    four = browse.key_history(run["spark"], run["conf"], "items", {"id": 4}).collect()
     assert [(r["op"], r["commit_lsn"], r["tombstone"]) for r in four] == [("c", 140, False), ("d", 141, False),
                                                                           (None, None, True), (None, None, True)]
     assert four[2]["position"] is None and four[2]["tx_id"] is None
-    with pytest.raises(merge.MergeError, match=r"key of unit.items is \(id\), not \(name\)"):
-        merge.key_history(run["spark"], run["conf"], "unit.items", {"name": "x"})
+    with pytest.raises(lake_paths.MergeError, match=r"key of unit.items is \(id\), not \(name\)"):
+        browse.key_history(run["spark"], run["conf"], "unit.items", {"name": "x"})
 
 
 def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_one_finishes(run):
@@ -394,7 +399,7 @@ def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_on
 
     try:
         with pytest.raises(RuntimeError, match="simulated failure of one table's MERGE"):
-            merge._run_all([fail, record, record, record], 4, run["spark"])
+            micro_batch._run_all([fail, record, record, record], 4, run["spark"])
     finally:
         sc.setLocalProperty("spark.jobGroup.id", None)
     assert seen == ["unit-query-run"] * 3  # the other writes finished before the error was raised
@@ -420,18 +425,18 @@ def test_a_replayed_tombstone_does_not_hide_a_row_inserted_again_later(unit_conf
     def tomb(key, lsn):
         return (*items.tombstone(key), [(k, v) for k, v in events.tombstone_headers(lsn, 0)])
 
-    ctx = merge.context(conf, query="tombs", app_id=f"tombs-{uuid.uuid4().hex[:6]}")
-    merge.process_batch(frame([(*items.event("c", 201, 1000, name="first"), None),
+    ctx = micro_batch.context(conf, query="tombs", app_id=f"tombs-{uuid.uuid4().hex[:6]}")
+    micro_batch.process_batch(frame([(*items.event("c", 201, 1000, name="first"), None),
                                (*items.event("d", 201, 1010), None), tomb(201, 1010),
                                (*items.event("c", 201, 1020, name="again"), None),
                                (*items.event("c", 202, 1030, name="kept"), None)]), 0, ctx)
     # a replay: the old delete's tombstone alone, and a lone tombstone without a position (Debezium's kind)
-    merge.process_batch(frame([tomb(201, 1010), (*items.tombstone(202), None)]), 1, ctx)
+    micro_batch.process_batch(frame([tomb(201, 1010), (*items.tombstone(202), None)]), 1, ctx)
     rows = _rows(spark, conf, "items")
     assert (rows[201]["name"], rows[201]["_deleted"], rows[201]["_commit_lsn"]) == ("again", False, 1020)
     assert rows[202]["_deleted"] and rows[202]["_op"] == "tombstone" and rows[202]["_commit_lsn"] == 1030
     # and a positioned tombstone newer than the row deletes it at that position
-    merge.process_batch(frame([tomb(201, 1040)]), 2, ctx)
+    micro_batch.process_batch(frame([tomb(201, 1040)]), 2, ctx)
     deleted = _rows(spark, conf, "items")[201]
     assert (deleted["_deleted"], deleted["_op"], deleted["_commit_lsn"], deleted["name"]) == (True, "d", 1040, "again")
 
@@ -485,9 +490,9 @@ def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf
     items = Writer(registry, config.get(conf, "kafka.topic_prefix"), ITEMS)
     later, schema_id = _later_version(items, registry, "late_a")
     rows = Feed().rows(items.topic, [later.event("c", 301, 3010, name="late", late_a="x")])
-    ctx = merge.context(conf, query="late", app_id=f"late-{uuid.uuid4().hex[:6]}")
+    ctx = micro_batch.context(conf, query="late", app_id=f"late-{uuid.uuid4().hex[:6]}")
     watching = _Watching(registry, schema_id)
-    ctx.schemas = merge.Schemas(conf, client=watching)
+    ctx.schemas = writer_schemas.Schemas(conf, client=watching)
 
     def register_once_asked():
         assert watching.asked.wait(120), "the merge never asked for the schema id"
@@ -495,7 +500,7 @@ def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf
 
     registering = threading.Thread(target=register_once_asked)
     registering.start()
-    stats = merge.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0, ctx)
+    stats = micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0, ctx)
     registering.join()
     assert stats["dead_letters"] == {}
     row = _rows(spark_session, conf, "items")[301]
@@ -508,10 +513,10 @@ def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(uni
     items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
     framed = b"\x00" + (2_000_000_001).to_bytes(4, "big") + b"\x02"
     rows = Feed().rows(items.topic, [items.event("c", 310, 3100, name="ok"), (items.key_bytes(311), framed)])
-    with pytest.raises(merge.MergeError, match=rf"topic {items.topic} .*schema id\(s\) 2000000001 .*partition 0 "
+    with pytest.raises(lake_paths.MergeError, match=rf"topic {items.topic} .*schema id\(s\) 2000000001 .*partition 0 "
                                                r"offset 1.*unknown_schema_ids: dead_letter"):
-        merge.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
-                            merge.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
+        micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                            micro_batch.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
     assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
 
 
@@ -524,15 +529,15 @@ def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, s
     rows = Feed().rows(items.topic, [items.event("c", 321, 3200, name="first"),
                                      later.event("u", 321, 3210, name="second", late_b="y"),
                                      (items.key_bytes(322), b"\x00" + items.value_id.to_bytes(4, "big") + b"\xff")])
-    merge.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
-                        merge.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
+    micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                        micro_batch.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
     assert _rows(spark_session, conf, "items")[321]["name"] == "first"
     _register(later, registry, schema_id)
     result = merge.replay_dead_letters(spark_session, conf)
     assert (result["replayed"], result["still_dead"]) == (1, 1)
     row = _rows(spark_session, conf, "items")[321]
     assert (row["name"], row["late_b"], row["_commit_lsn"]) == ("second", "y", 3210)
-    left = spark_session.read.format("delta").load(merge.dead_letter_path(conf)).collect()
+    left = spark_session.read.format("delta").load(lake_paths.dead_letter_path(conf)).collect()
     assert [(r["offset"], r["reason"]) for r in left] == [(2, "undecodable")]
     again = merge.replay_dead_letters(spark_session, conf)  # nothing new decodes: silver and the letters unchanged
     assert again["replayed"] == 0 and _rows(spark_session, conf, "items")[321]["_commit_lsn"] == 3210

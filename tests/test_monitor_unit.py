@@ -11,7 +11,7 @@ import sys
 import matplotlib
 import pytest
 
-from lib import monitor, service, teardown
+from lib.operate import keeper, metrics, monitor, service, teardown, workers
 
 matplotlib.use("Agg")
 
@@ -48,16 +48,16 @@ def test_committed_offsets_unknown_without_commits_or_for_object_stores(tmp_path
 
 
 def test_history_reads_every_record_and_plots(conf):
-    monitor.record(conf, "capture", {"interval_events_per_s": 12.5, "lag_bytes": 100, "lag_s": 0.2,
+    metrics.record(conf, "capture", {"interval_events_per_s": 12.5, "lag_bytes": 100, "lag_s": 0.2,
                                      "retained_wal_bytes": 5000})
-    monitor.record(conf, "merge", {"interval_events_per_s": 10.0, "kafka_lag": 4, "batches": 1,
+    metrics.record(conf, "merge", {"interval_events_per_s": 10.0, "kafka_lag": 4, "batches": 1,
                                    "dead_letters": {"bank.customers": 2}})
-    with open(monitor.metrics_path(conf, "merge"), "a") as handle:
+    with open(metrics.metrics_path(conf, "merge"), "a") as handle:
         handle.write('{"cut by a crash')  # a half-written line is skipped
-    frame = monitor.history(conf)
+    frame = metrics.history(conf)
     assert list(frame["service"]) == ["capture", "merge"]
     assert frame.loc[0, "retained_wal_bytes"] == 5000 and frame.loc[1, "dead_letters"] == 2
-    assert monitor.latest(conf, "merge")["kafka_lag"] == 4
+    assert metrics.latest(conf, "merge")["kafka_lag"] == 4
     fig = monitor.plot(conf)
     assert len(fig.axes) == 3
 
@@ -65,31 +65,31 @@ def test_history_reads_every_record_and_plots(conf):
 def test_history_rotates_a_large_file(conf, monkeypatch):
     monkeypatch.setattr(monitor, "MAX_HISTORY_BYTES", 200)
     for i in range(10):
-        monitor.record(conf, "capture", {"events": i})
-    path = monitor.metrics_path(conf, "capture")
+        metrics.record(conf, "capture", {"events": i})
+    path = metrics.metrics_path(conf, "capture")
     assert path.with_name(path.name + ".1").exists()
-    assert [r["events"] for r in monitor.records(conf, "capture")][-1] == 9
+    assert [r["events"] for r in metrics.records(conf, "capture")][-1] == 9
 
 
 def test_capture_record_counts_per_table_since_the_previous_record(conf):
     previous: dict = {}
-    first = service.capture_record(conf, {"events_per_table": {"t": 5}, "elapsed_s": 2.0}, previous)
-    second = service.capture_record(conf, {"events_per_table": {"t": 12, "u": 1}}, previous)
+    first = workers.capture_record(conf, {"events_per_table": {"t": 5}, "elapsed_s": 2.0}, previous)
+    second = workers.capture_record(conf, {"events_per_table": {"t": 12, "u": 1}}, previous)
     assert first["interval_events_per_table"] == {"t": 5}
     assert second["interval_events_per_table"] == {"t": 7, "u": 1}
     assert "slot_error" in second  # no database in this conf: reported, not raised
 
 
 def test_a_dead_process_with_a_pid_file_is_crashed(conf):
-    paths = service.files(conf, "capture")
+    paths = keeper.files(conf, "capture")
     paths["pid"].parent.mkdir(parents=True)
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     paths["pid"].write_text(f"{proc.pid}\n")
-    paths["log"].write_text("stream started\npython -m lib.service: error: slot x is gone; run notebook 02\n")
-    row = service.state(conf, "capture")
+    paths["log"].write_text("stream started\npython -m lib.operate.service: error: slot x is gone; run notebook 02\n")
+    row = keeper.state(conf, "capture")
     assert row["state"] == "crashed" and "slot x is gone" in row["last_line"]
-    assert service.state(conf, "merge")["state"] == "stopped"
+    assert keeper.state(conf, "merge")["state"] == "stopped"
     service.stop(conf, log=lambda line: None)
     assert not paths["pid"].exists()
 

@@ -6,7 +6,10 @@ import uuid
 
 import pytest
 
-from lib import catalog, config, masking, merge, reconcile, stream
+from lib import config
+from lib.capture import catalog, stream
+from lib.lake import lake_paths, merge, reconcile
+from lib.views import masking
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -27,7 +30,7 @@ def test_every_lake_path_stays_in_its_folder_and_the_merge_and_the_views_agree_o
     conf = config.apply_overrides(config.load("local"), {"CDC__LAKE__ROOT": str(tmp_path),
                                                          "CDC__SOURCE__TABLES": '[\'"x"."../../etc"\', \'"a/b".c\', '
                                                                                 '\'"a_b".c\', \'"Shop"."My Table"\']'})
-    paths = [merge.silver_path(conf, spec) for spec in merge.table_specs(conf)]
+    paths = [lake_paths.silver_path(conf, spec) for spec in lake_paths.table_specs(conf)]
     assert len(set(paths)) == 4
     for path, entry in zip(paths, config.get(conf, "source.tables"), strict=True):
         assert path.startswith(f"{tmp_path}/silver/") and "/../" not in path and path.count("/") == \

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lib import jobs
+from lib.operate import jobs
 
 NOTEBOOKS = jobs.notebooks()
 

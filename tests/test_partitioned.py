@@ -6,7 +6,8 @@ import pytest
 from psycopg2 import sql
 from topic_rows import latest_rows
 
-from lib import bootstrap, catalog, config, stream
+from lib import config
+from lib.capture import bootstrap, catalog, stream
 
 pytestmark = pytest.mark.stack
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lib.pgoutput import (
+from lib.capture.pgoutput import (
     UNCHANGED_TOAST,
     Begin,
     Commit,

@@ -11,9 +11,9 @@ from decimal import Decimal
 import fastavro
 import pytest
 
-from lib import pgtypes
-from lib.catalog import Column, PgType
-from lib.pgtypes import UnsupportedTypeError, ValueConversionError
+from lib.capture import pgtypes
+from lib.capture.catalog import Column, PgType
+from lib.capture.pgtypes import UnsupportedTypeError, ValueConversionError
 
 UTC = datetime.timezone.utc
 

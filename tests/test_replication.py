@@ -18,8 +18,9 @@ from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
 from slots import confirmed_lsn
 
-from lib import avro_schemas, catalog, config, replication, source, stream
-from lib.pgoutput import Decoder, str_to_lsn
+from lib import config, source
+from lib.capture import avro_schemas, catalog, replication, stream
+from lib.capture.pgoutput import Decoder, str_to_lsn
 
 pytestmark = pytest.mark.stack
 
@@ -103,7 +104,7 @@ def _scenario(conf: dict, schema: str, read, acknowledge, status) -> tuple[int, 
 
 
 def test_psycopg2_cursor_alone_confirms_what_it_was_not_told(hazard):
-    """Why lib.replication exists: psycopg2's read_message moves its flush to a keepalive's WAL end."""
+    """Why lib.capture.replication exists: psycopg2's read_message moves its flush to a keepalive's WAL end."""
     schema, hazard = hazard.schema, hazard.conf
     conn = source.connect(hazard, replication=True, options=WORK_MEM)
     cursor = conn.cursor()
@@ -122,7 +123,7 @@ def test_psycopg2_cursor_alone_confirms_what_it_was_not_told(hazard):
     finally:
         conn.close()
     assert confirmed > below_b, ("psycopg2 no longer confirms past the acknowledged position on a keepalive; "
-                                 "lib.replication could go back to its ReplicationCursor")
+                                 "lib.capture.replication could go back to its ReplicationCursor")
 
 
 def test_stream_confirms_only_what_was_acknowledged_and_the_server_resends_the_rest(hazard):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from lib import config, jobs, runtime
+from lib import config, runtime
+from lib.operate import jobs
 
 
 class Widgets:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lib import sample_db
+from lib.local import sample_db
 
 
 @pytest.fixture

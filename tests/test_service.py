@@ -26,21 +26,12 @@ from psycopg2 import sql
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from lib import (
-    bootstrap,
-    config,
-    control,
-    merge,
-    monitor,
-    reconcile,
-    sample_db,
-    service,
-    snapshot,
-    source,
-    teardown,
-    workload,
-)
-from lib.stack import process
+from lib import config, control, source
+from lib.capture import bootstrap, snapshot
+from lib.lake import browse, lake_paths, reconcile
+from lib.local import sample_db, workload
+from lib.local.stack import process
+from lib.operate import keeper, metrics, monitor, service, teardown
 
 pytestmark = pytest.mark.stack
 
@@ -129,24 +120,24 @@ def test_a_service_that_keeps_failing_ends_crashed_after_the_limit(pipeline):
             service.start(conf, ("capture",), log=quiet)
         except service.ServiceError as exc:  # when the first run fails within service.START_CHECK_S
             assert "failed right after starting (exit code 1)" in str(exc) and "max_restarts=2" in str(exc), exc
-        row = wait_for(lambda: (lambda r: r if r["state"] == "crashed" else None)(service.state(conf, "capture")),
+        row = wait_for(lambda: (lambda r: r if r["state"] == "crashed" else None)(keeper.state(conf, "capture")),
                        90, "the keeper to give up")
         assert row["restarts"] == 2 and row["child"] is None, row
         assert "failed 3 times within service.restart_window_s=600 s (service.max_restarts=2), giving up" \
             in row["last_line"], row
         assert "last exit: exit code 1" in row["last_line"] and f"replication slot {slot}" in row["last_line"], row
-        log_text = service.files(conf, "capture")["log"].read_text()
+        log_text = keeper.files(conf, "capture")["log"].read_text()
         assert log_text.count("ended with exit code 1; restart") == 2, log_text[-3000:]
         assert any(f"capture service died (pid {row['pid']}" in w for w in monitor.status(conf)["warnings"])
     finally:
         service.stop(conf, log=quiet)
         control.put(conf, f"snapshot/{slot}", None)
-    assert service.state(conf, "capture")["state"] == "stopped"
+    assert keeper.state(conf, "capture")["state"] == "stopped"
 
 
 def restarted(conf: dict, before: dict[str, int]) -> dict | None:
     """Every service's state once its keeper runs a new child (not the pid in before), else None."""
-    rows = {name: service.state(conf, name) for name in before}
+    rows = {name: keeper.state(conf, name) for name in before}
     fresh = all(r["state"] == "running" and r["child"] and r["child"] != before[r["service"]] for r in rows.values())
     return rows if fresh else None
 
@@ -160,8 +151,8 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     assert set(first) == {"capture", "merge"} and all(row["state"] == "running" for row in service.status(conf))
     # both at work: the merge query runs (its first micro-batch, the snapshot's rows, may still be going on)
     # generous limits: on a loaded machine starting Spark alone can take minutes
-    wait_for(lambda: monitor.latest(conf, "merge"), 600, "the merge query to start")
-    wait_for(lambda: monitor.latest(conf, "capture"), 30, "a capture metrics record")
+    wait_for(lambda: metrics.latest(conf, "merge"), 600, "the merge query to start")
+    wait_for(lambda: metrics.latest(conf, "capture"), 30, "a capture metrics record")
     assert control.running_service(conf, "capture") and control.running_service(conf, "merge")  # notebooks refuse
 
     writes: dict = {}
@@ -177,11 +168,11 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     try:
-        wait_for(lambda: (monitor.latest(conf, "capture") or {}).get("events"), 30, "streamed events")
+        wait_for(lambda: (metrics.latest(conf, "capture") or {}).get("events"), 30, "streamed events")
         time.sleep(8)  # some of the workload captured and in the merge's hands, more to come
         with pytest.raises(teardown.TeardownError, match="still run: stop them first"):
             teardown.run(conf, confirm=True)
-        children = {name: service.state(conf, name)["child"] for name in first}
+        children = {name: keeper.state(conf, name)["child"] for name in first}
         assert all(children.values()), children
         for name in first:
             os.kill(children[name], signal.SIGKILL)
@@ -191,14 +182,14 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
         assert {n: r["pid"] for n, r in rows.items()} == first and all(r["restarts"] >= 1 for r in rows.values())
         for name in first:
             assert f"keeper: {name} (pid {children[name]}) ended with signal 9 (SIGKILL); restart 1" \
-                in service.files(conf, name)["log"].read_text()
+                in keeper.files(conf, name)["log"].read_text()
 
         # a keeper killed in turn: its child gets SIGTERM and stops; the service is crashed until start()
         orphan = rows["capture"]["child"]
         os.kill(first["capture"], signal.SIGKILL)
-        wait_for(lambda: service.state(conf, "capture")["state"] == "crashed", 20, "the capture keeper to be dead")
+        wait_for(lambda: keeper.state(conf, "capture")["state"] == "crashed", 20, "the capture keeper to be dead")
         assert sum("died" in w for w in monitor.status(conf)["warnings"]) == 1
-        wait_for(lambda: "lib.service run capture" not in process.cmdline(orphan), 60,
+        wait_for(lambda: "lib.operate.service run capture" not in process.cmdline(orphan), 60,
                  "the capture without its keeper to stop (PR_SET_PDEATHSIG)")
         wait_for(lambda: not (monitor.slot_row(conf) or {}).get("active"), 30, "the slot to be released")
         second = service.start(conf, log=lines.append)
@@ -218,11 +209,11 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     assert all(t["last_merged_lsn"] for t in st["tables"]), st["tables"]
     assert not any("no consumer" in w or "died" in w for w in st["warnings"]), st["warnings"]
 
-    cli = subprocess.run([sys.executable, "-m", "lib.monitor"], env=env_of(conf), cwd=config.PROJECT_ROOT,
+    cli = subprocess.run([sys.executable, "-m", "lib.operate.monitor"], env=env_of(conf), cwd=config.PROJECT_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and slot in cli.stdout and "bank.transactions" in cli.stdout, cli.stderr
 
-    hist = monitor.history(conf)
+    hist = metrics.history(conf)
     for name in ("capture", "merge"):
         assert hist[hist["service"] == name]["pid"].nunique() >= 2, f"{name}: one history per process run"
     assert hist["events_per_s"].max() > 0 and hist["retained_wal_bytes"].notna().any()
@@ -239,7 +230,7 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     assert len(results) == len(config.get(conf, "source.tables"))
     assert all(r["equal"] for r in results), [(r["table"], r["source_rows"], r["silver_rows"], r["differences"])
                                               for r in results if not r["equal"]]
-    merged = merge.summary(spark_session, conf).collect()
+    merged = browse.summary(spark_session, conf).collect()
     assert sum(r["bronze_events"] for r in merged) > sum(r["source_rows"] for r in results)
     assert_bronze_complete(conf, spark_session)
     changes = source_audit.finish(conf)
@@ -250,8 +241,8 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
 def bronze_changes(conf: dict, spark) -> Counter:
     """(xid, table, key as text) of every bronze event, duplicates of one source position counted once."""
     seen = Counter()
-    for spec in merge.table_specs(conf):
-        bronze = spark.read.format("delta").load(merge.bronze_path(conf, spec)).filter(~F.col("_tombstone"))
+    for spec in lake_paths.table_specs(conf):
+        bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec)).filter(~F.col("_tombstone"))
         keys = [f.name for f in bronze.schema["key"].dataType.fields]
         rows = bronze.select(F.col("source.txId").alias("xid"), F.col("source.commit_lsn").alias("lsn"),
                              F.col("source.event_serial").alias("serial"),
@@ -268,7 +259,7 @@ def topic_messages(conf: dict) -> dict[str, int]:
                          "group.id": f"svc-count-{time.monotonic_ns()}", "enable.auto.commit": False})
     try:
         counts = {}
-        for spec in merge.table_specs(conf):
+        for spec in lake_paths.table_specs(conf):
             partitions = consumer.list_topics(spec.topic, timeout=10).topics[spec.topic].partitions
             counts[spec.qualified] = sum(high - low for low, high in (
                 consumer.get_watermark_offsets(TopicPartition(spec.topic, p), timeout=10) for p in partitions))
@@ -280,11 +271,11 @@ def topic_messages(conf: dict) -> dict[str, int]:
 def assert_bronze_complete(conf: dict, spark) -> None:
     """Bronze holds every Kafka message of every table topic exactly once (a killed merge's retried batch added
     none twice); nothing was dead-lettered."""
-    dead = merge.dead_letter_counts(spark, conf).collect()
+    dead = browse.dead_letter_counts(spark, conf).collect()
     assert not dead, f"dead letters: {[r.asDict() for r in dead]}"
-    frames = [spark.read.format("delta").load(merge.bronze_path(conf, spec)).select(
+    frames = [spark.read.format("delta").load(lake_paths.bronze_path(conf, spec)).select(
         F.lit(spec.qualified).alias("t"), F.struct("_kafka_topic", "_kafka_partition", "_kafka_offset").alias("at"))
-        for spec in merge.table_specs(conf)]
+        for spec in lake_paths.table_specs(conf)]
     rows = functools.reduce(DataFrame.unionByName, frames).groupBy("t").agg(
         F.count(F.lit(1)).alias("n"), F.countDistinct("at").alias("distinct")).collect()
     in_bronze = {r["t"]: (r["n"], r["distinct"]) for r in rows}
@@ -296,9 +287,9 @@ def assert_bronze_complete(conf: dict, spark) -> None:
 def test_teardown_refuses_without_confirmation_then_leaves_nothing(pipeline):
     conf = pipeline
     slot, publication = config.get(conf, "source.slot"), config.get(conf, "source.publication")
-    table_topic = merge.table_specs(conf)[0].topic
+    table_topic = lake_paths.table_specs(conf)[0].topic
 
-    cli = subprocess.run([sys.executable, "-m", "lib.teardown", "--topics"], env=env_of(conf),
+    cli = subprocess.run([sys.executable, "-m", "lib.operate.teardown", "--topics"], env=env_of(conf),
                          cwd=config.PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2, cli.stderr
     for named in (f"replication slot {slot}", f"publication {publication}", f"topic {table_topic}",
@@ -318,6 +309,6 @@ def test_teardown_refuses_without_confirmation_then_leaves_nothing(pipeline):
             assert cur.fetchone()[0] == 0
     finally:
         conn.close()
-    names = [spec.topic for spec in merge.table_specs(conf)] + [control.topic(conf)]
+    names = [spec.topic for spec in lake_paths.table_specs(conf)] + [control.topic(conf)]
     wait_for(lambda: not monitor.end_offsets(conf, names), 30, "the topics to be gone")
     assert teardown.run(conf, topics=True, confirm=True, log=quiet)["dropped"] == []

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from lib import config, service, source
-from lib.pgoutput import str_to_lsn
+from lib import config, source
+from lib.capture.pgoutput import str_to_lsn
+from lib.operate import keeper, service
 
 pytestmark = pytest.mark.stack
 
@@ -82,17 +83,17 @@ def test_a_kafka_outage_longer_than_the_restart_budget_is_waited_out(small_sourc
     conf = src.conf
     service.start(conf, ("capture",), log=lambda line: None)
     try:
-        child = _wait("the capture runs", lambda: service.state(conf, "capture")["child"])
+        child = _wait("the capture runs", lambda: keeper.state(conf, "capture")["child"])
         forwarder.stop()  # the outage: no new client can reach Kafka
         os.kill(child, signal.SIGKILL)
-        row = _wait("the keeper waits for Kafka", lambda: (r := service.state(conf, "capture"))["state"] == "waiting"
+        row = _wait("the keeper waits for Kafka", lambda: (r := keeper.state(conf, "capture"))["state"] == "waiting"
                     and r)
         assert f"waiting for Kafka at 127.0.0.1:{forwarder.port}" in row["last_line"]
         time.sleep(8)  # backoff 0.5, 1, 2, 4 s: more retries than service.max_restarts allows failures
-        row = service.state(conf, "capture")
+        row = keeper.state(conf, "capture")
         assert row["state"] == "waiting", row
         forwarder.start()  # Kafka is back
-        _wait("the capture runs again", lambda: service.state(conf, "capture")["child"])
+        _wait("the capture runs again", lambda: keeper.state(conf, "capture")["child"])
         with src.admin.cursor() as cur:
             cur.execute(f"INSERT INTO {src.schema}.items VALUES (1, 'after the outage')")
             cur.execute("SELECT pg_current_wal_lsn()::text")
@@ -108,7 +109,7 @@ def test_a_kafka_outage_longer_than_the_restart_budget_is_waited_out(small_sourc
             finally:
                 conn.close()
         _wait("the capture delivers after the outage", confirmed)
-        assert service.state(conf, "capture")["state"] == "running"
+        assert keeper.state(conf, "capture")["state"] == "running"
     finally:
         service.stop(conf, ("capture",), log=lambda line: None)
         forwarder.stop()

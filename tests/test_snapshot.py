@@ -27,21 +27,12 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg2 import sql
 
-from lib import (
-    avro_schemas,
-    catalog,
-    config,
-    control,
-    pgtypes,
-    sample_db,
-    schema_registry,
-    snapshot,
-    source,
-    teardown,
-    workload,
-)
+from lib import config, control, schema_registry, source
 from lib import topics as topics_lib
-from lib.pgoutput import UNCHANGED_TOAST, Decoder
+from lib.capture import avro_schemas, catalog, pgtypes, snapshot, snapshot_read, snapshot_slot, snapshot_write
+from lib.capture.pgoutput import UNCHANGED_TOAST, Decoder, str_to_lsn
+from lib.local import sample_db, workload
+from lib.operate import teardown
 
 pytestmark = pytest.mark.stack
 
@@ -315,9 +306,9 @@ def test_every_message_is_an_r_event_at_the_consistent_point(snap_conf, first_ru
     record = control.snapshot_state(snap_conf, config.get(snap_conf, "source.slot"))
     assert record["state"] == "complete" and record["consistent_lsn"] == consistent
     conn = source.connect(snap_conf)
-    slot = snapshot.slot_info(conn, config.get(snap_conf, "source.slot"))
+    slot = snapshot_slot.slot_info(conn, config.get(snap_conf, "source.slot"))
     conn.close()
-    assert slot["plugin"] == "pgoutput" and snapshot.lsn_to_int(slot["confirmed_flush_lsn"]) == consistent
+    assert slot["plugin"] == "pgoutput" and str_to_lsn(slot["confirmed_flush_lsn"]) == consistent
     decode, registry = Decoding(snap_conf), schema_registry.client(snap_conf)
     prefix = config.get(snap_conf, "kafka.topic_prefix")
     partitions = int(config.get(snap_conf, "kafka.partitions"))
@@ -348,7 +339,7 @@ def test_every_message_is_an_r_event_at_the_consistent_point(snap_conf, first_ru
 
 
 def _schema(schema: dict) -> Schema:
-    return Schema(avro_schemas.canonical_json(schema), "AVRO")
+    return Schema(schema_registry.canonical_json(schema), "AVRO")
 
 
 def test_topics_plus_the_slots_changes_equal_the_source(snap_conf, first_run):
@@ -403,7 +394,7 @@ def test_big_tables_are_read_in_partitions_that_all_import_the_snapshot(snap_con
     try:
         for qualified, split in (("bank.transactions", "predicates"), ("bank.statements", "bounds")):
             table = tables[qualified]
-            plan = snapshot.plan_partitions(exporter, table, partition_rows=20)
+            plan = snapshot_read.plan_partitions(exporter, table, partition_rows=20)
             assert split in plan and plan["partitions"] > 1
             with admin.cursor() as cur:  # committed after the snapshot: must not be read
                 cur.execute(sql.SQL("CREATE TEMP TABLE extra AS SELECT * FROM {} LIMIT 5").format(
@@ -414,7 +405,7 @@ def test_big_tables_are_read_in_partitions_that_all_import_the_snapshot(snap_con
                 cur.execute(sql.SQL("INSERT INTO {} SELECT * FROM extra; DROP TABLE extra").format(
                     sql.Identifier(table.schema, table.name)))
             admin.commit()
-            rows, _ = snapshot.read_table(spark_session, snap_conf, table, name, plan)
+            rows, _ = snapshot_read.read_table(spark_session, snap_conf, table, name, plan)
             assert rows.count() == plan["rows"]
             assert rows.rdd.getNumPartitions() == plan["partitions"]
             probe = _probe(spark_session, snap_conf, table, name, plan)
@@ -428,11 +419,12 @@ def _probe(spark, conf, table, snapshot_name, plan) -> dict[int, str]:
     """Per Spark partition: the snapshot its JDBC connection saw (pg_current_snapshot)."""
     from pyspark.sql import functions as F
 
-    query, fields = snapshot.select_sql(table)
+    query, fields = snapshot_read.select_sql(table)
     key_alias = next(f["alias"] for f in fields if f["column"] == table.primary_key[0])
-    probe = f"(SELECT {key_alias}, {snapshot.SPLIT_COLUMN}, pg_current_snapshot()::text AS snap FROM ({query}) q) p" \
+    split = snapshot_read.SPLIT_COLUMN
+    probe = f"(SELECT {key_alias}, {split}, pg_current_snapshot()::text AS snap FROM ({query}) q) p" \
         if "predicates" in plan else f"(SELECT {key_alias}, pg_current_snapshot()::text AS snap FROM ({query}) q) p"
-    options = snapshot.jdbc_options(conf, snapshot_name)
+    options = snapshot_read.jdbc_options(conf, snapshot_name)
     url = options.pop("url")
     if "predicates" in plan:
         df = spark.read.jdbc(url, probe, predicates=plan["predicates"], properties=options)
@@ -542,8 +534,8 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
     prefix = "cdc-test-types"
     key_schema, value_schema = avro_schemas.key_schema(table, prefix), avro_schemas.value_schema(table, prefix)
     with exported_snapshot(snap_conf) as name:
-        rows, fields = snapshot.read_table(spark_session, snap_conf, table, name, {"rows": 4, "partitions": 1})
-        encoded = snapshot.encode(rows, table, snap_conf, key_schema, value_schema, 7, 8, 12345, 1000, fields)
+        rows, fields = snapshot_read.read_table(spark_session, snap_conf, table, name, {"rows": 4, "partitions": 1})
+        encoded = snapshot_write.encode(rows, table, snap_conf, key_schema, value_schema, 7, 8, 12345, 1000, fields)
         messages = encoded.collect()
     conn = raw_text_connection(snap_conf)
     expected = source_rows(conn, table)
@@ -575,7 +567,7 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
 
 def test_multi_dimensional_array_fails_naming_the_column(snap_conf, every_type, spark_session):
     with exported_snapshot(snap_conf) as name:
-        rows, _ = snapshot.read_table(spark_session, snap_conf, every_type["snaptypes.multi"], name,
+        rows, _ = snapshot_read.read_table(spark_session, snap_conf, every_type["snaptypes.multi"], name,
                                       {"rows": 2, "partitions": 1})
         with pytest.raises(Exception) as failure:
             rows.collect()
@@ -593,7 +585,7 @@ def test_failed_snapshot_restarts_cleanly_and_a_complete_one_is_not_repeated(sna
     tables = prepare_topics(conf)
     topic = avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), tables["bank.accounts"])
     # a snapshot killed after it created the slot and said 'running'
-    repl, aborted_lsn, _ = snapshot.create_slot_with_snapshot(conf)
+    repl, aborted_lsn, _ = snapshot_slot.create_slot_with_snapshot(conf)
     control.put(conf, f"snapshot/{slot}", {"state": "running", "consistent_lsn": aborted_lsn})
     repl.close()
     lines: list[str] = []
@@ -618,7 +610,7 @@ def test_failed_snapshot_restarts_cleanly_and_a_complete_one_is_not_repeated(sna
     state = control.snapshot_state(conf, slot)
     assert state["state"] == "running" and "simulated failure" in state["error"]
     conn = source.connect(conf)
-    assert snapshot.slot_info(conn, slot) is None
+    assert snapshot_slot.slot_info(conn, slot) is None
     conn.close()
     final = snapshot.run(conf, spark_session, progress=lines.append)
     assert final["status"] == "complete" and final["consistent_lsn"] > report["consistent_lsn"]
@@ -690,7 +682,7 @@ def test_slot_with_another_plugin_is_refused_naming_it(snap_conf, spark_session)
             cur.execute("SELECT pg_create_physical_replication_slot(%s)", (slot,))
             expected = f"slot {slot} exists as a physical slot"
     try:
-        with pytest.raises(snapshot.SnapshotError, match=expected):
+        with pytest.raises(snapshot_slot.SnapshotError, match=expected):
             snapshot.run(conf, spark_session, progress=lambda line: None)
     finally:
         with conn.cursor() as cur:
@@ -702,14 +694,14 @@ def test_active_slot_of_an_unfinished_snapshot_is_not_dropped(snap_conf, spark_s
     conf = variant(snap_conf, "_act", SMALL_TABLES)
     slot = config.get(conf, "source.slot")
     prepare_topics(conf)
-    repl, _, _ = snapshot.create_slot_with_snapshot(conf)
+    repl, _, _ = snapshot_slot.create_slot_with_snapshot(conf)
     repl.close()
     stream = source.connect(conf, replication=True)
     with stream.cursor() as cur:
         cur.start_replication(slot_name=slot, decode=False, options={
             "proto_version": "1", "publication_names": config.get(conf, "source.publication")})
         try:
-            with pytest.raises(snapshot.SnapshotError, match=f"replication slot {slot} is in use by process"):
+            with pytest.raises(snapshot_slot.SnapshotError, match=f"replication slot {slot} is in use by process"):
                 snapshot.run(conf, spark_session, progress=lambda line: None)
         finally:
             stream.close()

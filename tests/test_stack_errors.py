@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from lib import config, stack
-from lib.stack import fetch, kafka, process
-from lib.stack.process import StackError
+from lib import config
+from lib.local import stack
+from lib.local.stack import fetch, kafka, process
+from lib.local.stack.process import StackError
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_stale_pid_file_is_an_error_with_the_fix_and_down_clears_it(tmp_conf):
 
 
 def test_cli_error_is_one_line_with_exit_code_1():
-    done = subprocess.run([sys.executable, "-m", "lib.stack", "--target", "nowhere", "status"],
+    done = subprocess.run([sys.executable, "-m", "lib.local.stack", "--target", "nowhere", "status"],
                           capture_output=True, text=True, cwd=config.PROJECT_ROOT)
     assert done.returncode == 1
     assert done.stderr.startswith("error: no configuration for target 'nowhere'")

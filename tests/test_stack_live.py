@@ -14,8 +14,9 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.serialization import MessageField, SerializationContext
 from psycopg2 import sql
 
-from lib import config, source, stack
-from lib.stack import registry
+from lib import config, source
+from lib.local import stack
+from lib.local.stack import registry
 
 ACCOUNT_SCHEMA = """{
   "type": "record", "name": "Account", "namespace": "cdc.test",

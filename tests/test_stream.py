@@ -1,4 +1,5 @@
-"""The capture (lib/stream.py) on the live stack: Kafka ends equal to the source, through kills and schema changes.
+"""The capture (lib/capture/stream.py) on the live stack: Kafka ends equal to the source, through kills and schema
+changes.
 
 The module sets up one slot the way notebooks 01/02 would for an empty source (publication,
 topics, schemas, slot, `snapshot/<slot>` = complete) and only then loads the sample bank, so every
@@ -29,21 +30,11 @@ from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 from slots import confirmed_lsn
 
-from lib import (
-    avro_schemas,
-    catalog,
-    config,
-    control,
-    events,
-    pgtypes,
-    sample_db,
-    schema_registry,
-    source,
-    stream,
-    workload,
-)
+from lib import config, control, schema_registry, source
 from lib import topics as topics_lib
-from lib.pgoutput import str_to_lsn
+from lib.capture import avro_schemas, catalog, events, pgtypes, stream, stream_state
+from lib.capture.pgoutput import str_to_lsn
+from lib.local import sample_db, workload
 
 pytestmark = pytest.mark.stack
 
@@ -432,7 +423,7 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
     kills = 0
     try:
         for _ in range(6):
-            capture = subprocess.Popen([sys.executable, "-m", "lib.stream", "--target", "local", "--until",
+            capture = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--target", "local", "--until",
                                         "forever", "--interval", "1",
                                         "--pg-options=-c logical_decoding_work_mem=64kB"], cwd=REPO, env=env,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -451,7 +442,7 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
         writer.join(60)
     assert not errors, errors
     assert kills >= 5
-    graceful = subprocess.Popen([sys.executable, "-m", "lib.stream", "--target", "local", "--until", "forever"],
+    graceful = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--target", "local", "--until", "forever"],
                                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in graceful.stderr:
         if line.startswith("stream    slot"):
@@ -533,12 +524,12 @@ def test_schema_changes_new_version_then_refused_change_stops_without_acknowledg
         before_commit = str_to_lsn(cur.fetchone()[0])  # the commit record starts at or after this
         cur.execute("COMMIT")
     conn.close()
-    with pytest.raises(stream.SchemaChangeError, match=r"table bank\.statements changed \(view_count integer -> "
+    with pytest.raises(stream_state.SchemaChangeError, match=r"table bank\.statements changed \(view_count integer -> "
                                                        r"text\).*refused"):
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
     position = confirmed_lsn(cdc)
     assert acknowledged <= position <= before_commit  # the refused transaction would be resent
-    with pytest.raises(stream.SchemaChangeError):  # a restart stops before the same transaction: nothing skipped
+    with pytest.raises(stream_state.SchemaChangeError):  # a restart stops before the same transaction: nothing skipped
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
     # it may confirm what lies between (the DDL's empty transaction, a heartbeat), never the refused commit
     assert position <= confirmed_lsn(cdc) <= before_commit
@@ -604,7 +595,7 @@ def test_fast_date_and_timestamp_converters_equal_pgtypes():
 
 
 def test_wire_bytes_equal_the_generic_and_fastavro_encodings(cdc):
-    from lib.pgoutput import UNCHANGED_TOAST, Delete, Insert, Update
+    from lib.capture.pgoutput import UNCHANGED_TOAST, Delete, Insert, Update
 
     conn = source.connect(cdc)
     try:

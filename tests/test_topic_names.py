@@ -7,7 +7,8 @@ import uuid
 import pytest
 from psycopg2 import sql
 
-from lib import avro_schemas, bootstrap, config, source
+from lib import config, source
+from lib.capture import avro_schemas, bootstrap
 
 pytestmark = pytest.mark.stack
 

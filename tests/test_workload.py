@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from lib import sample_db, workload
+from lib.local import sample_db, workload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def _cli(*args):
     """Run the workload CLI in a subprocess."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "lib.workload", *args],
+        [sys.executable, "-m", "lib.local.workload", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -150,7 +150,7 @@ def test_cli_rejects_bad_arguments(args, message):
     done = _cli("--dsn", "host=/nonexistent", *args)
     assert done.returncode == 2
     assert message in done.stderr
-    assert "usage: python -m lib.workload" in done.stderr
+    assert "usage: python -m lib.local.workload" in done.stderr
 
 
 def test_cli_runs_and_prints_one_line(conn, pg_admin_dsn):

@@ -9,7 +9,8 @@ import time
 import fastavro
 from confluent_kafka import Consumer, TopicPartition
 
-from lib import avro_schemas, catalog, config, schema_registry
+from lib import config, schema_registry
+from lib.capture import avro_schemas, catalog
 
 
 def messages(src, table: str) -> list[tuple[bytes, bytes | None, int]]:

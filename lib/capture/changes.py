@@ -1,0 +1,56 @@
+"""Insert, Update, Delete and Truncate messages to Kafka: events for the table's topic, truncates to the control
+topic."""
+
+from __future__ import annotations
+
+from lib import control
+from lib.capture import (
+    delivery,
+    events,
+    relations,
+)
+from lib.capture.pgoutput import lsn_to_str
+from lib.capture.stream_state import DeliveryError, State, StreamError
+
+
+def change(st: State, m, lsn: int) -> None:
+    """Turn one Insert/Update/Delete into events and produce them."""
+    tx = st.tx
+    if tx is None:
+        raise StreamError(f"{m.kind} message at LSN {lsn_to_str(lsn)} outside a transaction (protocol error); "
+                          f"restart the capture")
+    plan = st.plans.get(m.relation_oid) or relations.plan_for(st, m.relation_oid)
+    try:
+        pairs, st.serial = events.encoded_events(plan, m, lsn, tx, st.serial)
+    except events.EventError as exc:
+        raise StreamError(f"{exc} (change at LSN {lsn_to_str(lsn)}, transaction {tx.txid}); the capture stopped "
+                          f"before this transaction and the slot stays at {lsn_to_str(st.acked)}") from exc
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise StreamError(f"table {plan.qualified}: an event does not fit its Avro schema ({type(exc).__name__}: "
+                          f"{exc}; change at LSN {lsn_to_str(lsn)}); the slot stays at {lsn_to_str(st.acked)}; "
+                          f"report this as a bug") from exc
+    delivery.produce(st, plan, pairs)
+
+
+def truncate(st: State, m, lsn: int) -> None:
+    """TRUNCATE: one control record per table (it has no key, so it cannot go to the table's topic)."""
+    tx = st.tx
+    for oid in m.relation_oids:
+        relation = st.relations.get(oid)
+        qualified = f"{relation.namespace}.{relation.name}" if relation else f"relation {oid}"
+        if qualified not in st.topics:
+            raise StreamError(f"TRUNCATE of {qualified}, which is in publication {st.publication} but not in "
+                              f"source.tables; add it there or remove it from the publication")
+        record = {"commit_lsn": tx.commit_lsn, "event_serial": st.serial, "ts_ms": tx.commit_ms, "lsn": lsn,
+                  "txId": tx.txid, "cascade": m.cascade, "restart_identity": m.restart_identity}
+        if st.chunk is not None and st.chunk["table"] == qualified:
+            st.chunk["truncated"] = tx.commit_lsn
+        delivery.keepalive(st, quiet=True)
+        try:
+            control.put(st.conf, f"truncate/{qualified}", record)
+        except control.ControlError as exc:
+            raise DeliveryError(f"TRUNCATE of {qualified} could not be recorded: {exc}; the slot stays at "
+                                f"{lsn_to_str(st.acked)}") from exc
+        st.serial += 1
+        st.truncates[qualified] += 1
+        st.log(f"truncate  {qualified} at commit {lsn_to_str(tx.commit_lsn)} recorded in {control.topic(st.conf)}")

@@ -1,0 +1,145 @@
+"""Incremental snapshots inside the capture: chunks read beside the stream and sent at their watermark
+(the method is described in lib/capture/incremental.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from lib import control, schema_registry
+from lib.capture import catalog, delivery, events, incremental
+from lib.capture.avro_schemas import topic_name
+from lib.capture.pgoutput import lsn_to_str
+from lib.capture.stream_state import DeliveryError, State, StreamError
+
+
+def check_requests(st: State, catch_up: bool = False) -> None:
+    """Pick up new incremental snapshot requests from the control topic (a table added live joins st.topics).
+
+    Reads only what arrived since the last look, without waiting (catch_up: up to the topic's end, a few s).
+    """
+    try:
+        requests = incremental.pending(st.conf, st.control.catch_up(5.0) if catch_up else st.control.poll())
+    except control.ControlError as exc:
+        st.log(f"incremental cannot read requests: {exc}")
+        return
+    queued = {r["table"] for r in st.incremental}
+    for record in requests:
+        table = record["table"]
+        if table not in st.topics:  # added live: its changes may arrive from now on
+            st.topics[table] = topic_name(st.prefix, _describe(st, table, record.get("declared_key")))
+            if record.get("declared_key"):
+                st.keys[table] = record["declared_key"]
+        if table in queued or record["state"] == "requested":  # 'requested': not published yet, no chunk
+            continue
+        st.incremental.append(record)
+        st.log(f"incremental {table}: {record['state']}, resuming after key {record['last_key']}"
+               if record.get("last_key") else f"incremental {table}: starting")
+
+
+def _describe(st: State, qualified: str, declared: list | None) -> catalog.Table:
+    """A table of an incremental request, described and checked like a configured one."""
+    schema, _, name = qualified.partition(".")
+    ident = catalog.sql_name(schema, name)
+    try:
+        table = catalog.describe_tables(st.sql, [ident], {ident: declared} if declared else None)[ident]
+        catalog.check_capturable(table)
+    except catalog.CatalogError as exc:
+        raise StreamError(f"incremental snapshot of {qualified}: {exc}") from exc
+    return table
+
+
+def next_chunk(st: State) -> None:
+    """Start reading the next chunk when none is under way; report a chunk that failed."""
+    chunk = st.chunk
+    if chunk is not None:
+        if chunk["error"] is not None and not chunk["thread"].is_alive():
+            st.chunk, st.chunk_failures = None, st.chunk_failures + 1
+            reason = f"{type(chunk['error']).__name__}: {str(chunk['error']).strip().splitlines()[0]}"
+            if st.chunk_failures >= 3:
+                raise StreamError(f"incremental snapshot of {chunk['table']}: reading a chunk failed 3 times "
+                                  f"({reason}); check that a replication slot and a WAL sender are free "
+                                  f"(max_replication_slots, max_wal_senders) and that the role may read the table, "
+                                  f"then restart the capture")
+            st.log(f"incremental {chunk['table']}: reading a chunk failed ({reason}); retrying in 5 s")
+            st.chunk_retry_at = time.monotonic() + 5.0
+        return
+    if not st.incremental or time.monotonic() < st.chunk_retry_at or st.stop_reason is not None:
+        return
+    record = st.incremental[0]
+    table = _describe(st, record["table"], record.get("declared_key"))
+    plan = events.plan(table, st.prefix, st.database, st.unknown_types)
+    key_subject, value_subject = schema_registry.subjects(plan.topic)
+    try:
+        key_id = schema_registry.register(st.registry, key_subject, plan.key_schema)[0]
+        value_id = schema_registry.register(st.registry, value_subject, plan.value_schema)[0]
+    except schema_registry.RegistryError as exc:
+        raise StreamError(f"incremental snapshot of {table.qualified}: {exc}") from exc
+    plan.set_ids(key_id, value_id)
+    st.chunk_seq += 1
+    chunk = {"table": table.qualified, "id": f"{os.getpid()}_{st.chunk_seq}", "plan": plan, "record": record,
+             "changed": [], "truncated": None, "result": None, "error": None}
+    args = (st.conf, table, list(plan.columns), record.get("last_key"), st.chunk_rows, chunk["id"])
+
+    def read(_chunk=chunk, _args=args):
+        try:
+            _chunk["result"] = incremental.read_chunk(*_args)
+        except BaseException as exc:  # noqa: BLE001 - reported by next_chunk in the capture's thread
+            _chunk["error"] = exc
+
+    chunk["thread"] = threading.Thread(target=read, name=f"cdc-chunk-{chunk['id']}", daemon=True)
+    st.chunk = chunk
+    chunk["thread"].start()
+
+
+def watermark(st: State, m) -> None:
+    """A chunk's high watermark: every change committed before its snapshot was sent; send the chunk now."""
+    try:
+        mark = json.loads(bytes(m.content).decode())
+    except ValueError:
+        return
+    chunk = st.chunk
+    if mark.get("slot") != st.slot or chunk is None or mark.get("chunk") != chunk["id"]:
+        return  # another capture's, or one from before a restart (its chunk is read again)
+    chunk["thread"].join()
+    if chunk["error"] is not None:
+        return  # next_chunk reports it
+    st.chunk = None
+    st.chunk_failures = 0
+    _emit_chunk(st, chunk)
+
+
+def _emit_chunk(st: State, chunk: dict) -> None:
+    """Send the chunk's rows as 'r' events at (consistent point, -1), minus keys changed since; record progress."""
+    result, plan, record = chunk["result"], chunk["plan"], dict(chunk["record"])
+    consistent = result["consistent_lsn"]
+    newer = {body for lsn, body in chunk["changed"] if lsn >= consistent}
+    pairs = []
+    if chunk["truncated"] is None or chunk["truncated"] < consistent:
+        tx = events.Tx(consistent, None, int(time.time() * 1000), None, int(time.time() * 1000))
+        for row in result["rows"]:
+            converted, _ = events.values(plan, row)
+            key = plan.key_bytes(converted)
+            if key[5:] in newer:
+                continue
+            value = plan.encode_value(events.envelope(plan, "r", None, plan.as_dict(converted), [], tx, consistent,
+                                                      -1, "incremental"))
+            pairs.append((key, value))
+    delivery.produce(st, plan, pairs)
+    if st.producer.flush(delivery.FLUSH_TIMEOUT_S):
+        raise DeliveryError(f"incremental snapshot of {chunk['table']}: Kafka did not acknowledge a chunk within "
+                            f"{delivery.FLUSH_TIMEOUT_S:.0f} s; the slot stays at {lsn_to_str(st.acked)} and the "
+                            f"chunk is read again after a restart")
+    delivery.advance(st)
+    record.update(state="complete" if result["done"] else "running", last_key=result["last_key"],
+                  rows=record.get("rows", 0) + len(pairs), chunks=record.get("chunks", 0) + 1,
+                  updated_ms=int(time.time() * 1000))
+    control.put(st.conf, incremental.record_key(st.slot, chunk["table"]), record)
+    st.incremental[0] = record
+    if result["done"]:
+        st.incremental.pop(0)
+    st.log(f"incremental {chunk['table']}: chunk {record['chunks']} sent {len(pairs)} row(s) "
+           f"({len(result['rows']) - len(pairs)} newer in the stream), {record['rows']} in all"
+           + (", complete" if result["done"] else ""))

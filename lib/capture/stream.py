@@ -1,0 +1,512 @@
+"""The capture: one logical replication slot (pgoutput) -> one compacted, keyed Kafka topic per table, Avro.
+
+``run(conf, until="caught_up" | "forever")``; ``python -m lib.capture.stream --target local`` from a shell. What it
+guarantees (at-least-once, bounded memory, idle slots move, stops rather than guesses) and how: docs/capture.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import psycopg2
+import psycopg2.errors
+from confluent_kafka import KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from lib import config, control, schema_registry, source
+from lib.capture import (
+    avro_schemas,
+    catalog,
+    changes,
+    delivery,
+    incremental,
+    incremental_chunks,
+    pgtypes,
+    relations,
+    replication,
+    streamed_transactions,
+)
+from lib.capture.avro_schemas import topic_name
+from lib.capture.pgoutput import PgOutputError, lsn_to_str, str_to_lsn
+from lib.capture.stream_state import DeliveryError, SnapshotIncompleteError, State, StreamError
+
+UNTIL = ("caught_up", "forever")
+HEARTBEAT_PREFIX = "cdc-heartbeat"
+STATUS_INTERVAL_S = 5  # psycopg2 sends a status message at least this often while reading
+PRODUCER_DEFAULTS = {
+    "enable.idempotence": True,  # per-partition order and no duplicates from producer retries
+    "acks": "all",
+    "partitioner": "murmur2_random",  # Java's default: the same key lands where Spark/Kafka Connect put it
+    "linger.ms": 20,
+    "compression.type": "lz4",
+    "queue.buffering.max.messages": 100_000,
+    "queue.buffering.max.kbytes": 65_536,
+}
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, stop_event=None,
+        metrics_callback=None, *, heartbeat_s: float | None = 10.0, metrics_interval_s: float = 10.0,
+        pg_options: str = "", spool_dir: str | None = None, log=None) -> dict:
+    """Stream the slot into Kafka until caught up with the WAL position at start, or forever; returns metrics.
+
+    'forever' stops on stop_event, SIGTERM/SIGINT (main thread) or max_seconds: it stops reading,
+    flushes the producer, acknowledges what Kafka acknowledged (force=True) and closes.
+    pg_options adds libpq startup options (e.g. '-c logical_decoding_work_mem=64kB').
+    """
+    if until not in UNTIL:
+        raise ValueError(f"until must be one of {', '.join(UNTIL)}, not {until!r}")
+    slot = config.get(conf, "source.slot")
+    if until == "caught_up":
+        _refuse_beside_the_service(conf)
+    _require_snapshot(conf, slot)
+    st = State(conf, until, heartbeat_s, metrics_interval_s, max_seconds, stop_event, metrics_callback,
+                log or (lambda line: None))
+    handlers = _install_signal_handlers(st)
+    failure: BaseException | None = None
+    try:
+        _open(st, pg_options, spool_dir or config.get(conf, "source.spool_dir", None))
+        try:
+            _loop(st)
+        except psycopg2.Error as exc:
+            raise StreamError(f"replication from slot {slot} failed: {_pg_message(exc)}; nothing after "
+                              f"{lsn_to_str(st.acked)} was acknowledged: restart the capture to resume there") from exc
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        late = _close(st, failure)
+        _restore_signal_handlers(handlers)
+        if late is not None and failure is None:
+            raise late
+    return st.metrics()
+
+
+def _refuse_beside_the_service(conf: dict) -> None:
+    """A run to catch up (notebook 03, a job) must not race the continuous capture for the slot."""
+    lease = control.running_service(conf, "capture")
+    if lease is not None:
+        raise StreamError(f"the continuous capture of slot {config.get(conf, 'source.slot')} runs "
+                          f"({control.describe_lease(lease)}), and a slot serves one reader: it already streams "
+                          f"every change to Kafka. Stop it first (make stop, or pause the cdc_capture job) to run "
+                          f"this step, or skip this step")
+
+
+def _require_snapshot(conf: dict, slot: str) -> None:
+    """Refuse to stream before the slot's snapshot is complete."""
+    try:
+        state = control.snapshot_state(conf, slot)
+    except control.ControlError as exc:
+        raise SnapshotIncompleteError(f"cannot read the snapshot state of slot {slot}: {exc}") from exc
+    if not state or state.get("state") != "complete":
+        found = "no snapshot was started" if not state else f"its snapshot state is {state.get('state')!r}"
+        raise SnapshotIncompleteError(
+            f"slot {slot}: {found}; the capture streams only after the slot's snapshot is complete (otherwise "
+            f"the topics would miss the rows that existed before the slot): run notebook 02 (snapshot) for "
+            f"slot {slot} first")
+
+
+def _install_signal_handlers(st: State) -> dict:
+    """SIGTERM/SIGINT -> graceful stop (only possible in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+
+    def stop(signum, frame):
+        st.stop_reason = f"signal {signal.Signals(signum).name}"
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, stop)
+    return previous
+
+
+def _restore_signal_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# start and stop
+
+
+def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
+    """Check the slot, publication, tables, topics and heartbeat grant; start the producer and replication."""
+    conf = st.conf
+    st.sql = source.connect(conf, options=pgtypes.session_options())
+    st.sql.autocommit = True
+    slot_row = _wait_for_slot(st)
+    st.start_lsn = st.acked = str_to_lsn(slot_row[3]) if slot_row[3] else 0
+    with st.sql.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (st.publication,))
+        if cur.fetchone() is None:
+            raise StreamError(f"publication {st.publication} (source.publication) does not exist in database "
+                              f"{st.database}: run notebook 01 (bootstrap) to create it")
+        if st.heartbeat_s:
+            cur.execute("SELECT has_function_privilege('pg_catalog.pg_logical_emit_message(boolean,text,text)', "
+                        "'EXECUTE')")
+            if not cur.fetchone()[0]:
+                raise StreamError(_heartbeat_grant(st))
+        cur.execute("SELECT pg_current_wal_lsn()::text")
+        st.target = st.server_lsn = str_to_lsn(cur.fetchone()[0])
+    names = list(config.get(conf, "source.tables"))
+    declared = config.get(conf, "source.keys", {}) or {}
+    described = catalog.describe_tables(st.sql, names, declared)
+    for topic, shared in avro_schemas.shared_topics(st.prefix, described.values()).items():
+        raise StreamError(f"tables {' and '.join(shared)} would both write topic {topic} (Kafka topic names allow "
+                          f"only letters, digits, '.', '_' and '-'): rename one, or capture it with another conf")
+    for name, table in described.items():
+        catalog.check_capturable(table)
+        st.topics[table.qualified] = topic_name(st.prefix, table)
+        if name in declared:
+            st.keys[table.qualified] = declared[name]
+    _check_topics(st)
+    st.control = control.Tail(conf)
+    st.control.catch_up()
+    incremental_chunks.check_requests(st)
+    st.registry = schema_registry.client(conf)
+    settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer", None) or {}),
+                "bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                "client.id": f"cdc-stream-{st.slot}"}
+    st.producer = Producer(settings)
+    options = f"{pgtypes.session_options()} {pg_options}".strip()
+    st.repl = source.connect(conf, replication=True, options=options)
+    cursor = st.repl.cursor()
+    version = st.repl.server_version
+    proto = {"proto_version": "2", "streaming": "on", "messages": "true"} if version >= 140000 else {
+        "proto_version": "1"}
+    try:
+        cursor.start_replication(slot_name=st.slot, decode=False, start_lsn=0, status_interval=STATUS_INTERVAL_S,
+                                    options={**proto, "publication_names": _quote_ident(st.publication)})
+    except psycopg2.Error as exc:
+        raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; check that no other "
+                          f"capture uses the slot and that publication {st.publication} exists") from exc
+    st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acked)  # psycopg2 reads nothing from here on
+    st.cursor.send_status()
+    st.sent_feedback = st.acked
+    _remove_stale_spools(st.slot, spool_dir)  # only now: the slot is ours, no other capture of it runs
+    st.spool_dir = tempfile.mkdtemp(prefix=f"cdc-stream-{st.slot}-", dir=spool_dir)
+    st.log(f"stream    slot {st.slot} from {lsn_to_str(st.acked)}, caught up at {lsn_to_str(st.target)} "
+           f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']})")
+
+
+def _wait_for_slot(st: State, timeout_s: float = 20.0) -> tuple:
+    """The slot's row (plugin, database, active_pid, confirmed_flush_lsn) once no other process holds it."""
+    deadline = time.monotonic() + timeout_s
+    with st.sql.cursor() as cur:
+        while True:
+            cur.execute("SELECT plugin, database, active_pid, confirmed_flush_lsn::text FROM pg_replication_slots "
+                        "WHERE slot_name = %s", (st.slot,))
+            row = cur.fetchone()
+            if row is None:
+                raise StreamError(f"replication slot {st.slot} (source.slot) does not exist: run notebook 01 "
+                                  f"(bootstrap) and notebook 02 (snapshot) to create and fill it")
+            if row[0] != "pgoutput" or row[1] != st.database:
+                raise StreamError(f"replication slot {st.slot} uses plugin {row[0]} in database {row[1]}, but the "
+                                  f"capture needs pgoutput in {st.database} (source.database); use another "
+                                  f"source.slot or drop that slot")
+            if row[2] is None:
+                return row
+            if time.monotonic() > deadline:  # a killed capture's walsender goes away within seconds
+                raise StreamError(f"replication slot {st.slot} is in use by server process {row[2]}: another "
+                                  f"capture is running for it; stop that one first (two would not share one slot)")
+            time.sleep(0.25)
+
+
+def _remove_stale_spools(slot: str, spool_dir: str | None) -> None:
+    """Spool folders a killed capture of this slot left behind (the slot is free, so none is in use)."""
+    parent = spool_dir or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if name.startswith(f"cdc-stream-{slot}-"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _check_topics(st: State) -> None:
+    """Every configured table's topic exists (auto topic creation is off)."""
+    admin = AdminClient({"bootstrap.servers": config.get(st.conf, "kafka.bootstrap_servers")})
+    try:
+        existing = admin.list_topics(timeout=15).topics
+    except KafkaException as exc:
+        raise StreamError(f"cannot reach Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')}: "
+                          f"{exc.args[0].str()}; check kafka.bootstrap_servers and that the brokers run") from exc
+    missing = [f"{t} (table {q})" for q, t in st.topics.items() if t not in existing]
+    if missing:
+        raise StreamError(f"topics missing: {', '.join(missing)}; run notebook 01 (bootstrap) to create them")
+
+
+def _close(st: State, failure: BaseException | None) -> BaseException | None:
+    """Flush Kafka, acknowledge what it acknowledged (force=True), close; returns a delivery error found now."""
+    late = None
+    if st.producer is not None:
+        deadline = time.monotonic() + delivery.FLUSH_TIMEOUT_S
+        while st.producer.flush(1.0) > 0 and time.monotonic() < deadline:
+            delivery.keepalive(st, quiet=True)
+        try:
+            delivery.advance(st)
+        except DeliveryError as exc:
+            late = exc
+        if (failure is None and late is None and not st.inflight and st.tx is None and not st.spools
+                and not st.decoder.in_stream and st.cursor is not None):
+            delivery.ack(st, st.cursor.wal_end)  # everything read was delivered: the server's position is safe
+        if st.until == "caught_up" and failure is None and late is None:  # only later commits may be unsent
+            st.caught_up = st.stop_reason == "caught_up" and all(t[3] >= st.target for t in st.inflight)
+    if st.cursor is not None:
+        with contextlib.suppress(psycopg2.Error):
+            st.cursor.acknowledge(st.acked)
+            st.cursor.send_status()
+            st.sent_feedback = st.acked
+    for conn in (st.repl, st.sql):
+        if conn is not None:
+            with contextlib.suppress(psycopg2.Error):
+                if conn is st.sql and not conn.closed:
+                    with conn.cursor() as cur:
+                        cur.execute("SELECT pg_current_wal_lsn()::text")
+                        st.server_lsn = str_to_lsn(cur.fetchone()[0])
+                conn.close()
+    if st.control is not None:
+        st.control.close()
+    for spool in st.spools.values():
+        with contextlib.suppress(OSError):
+            spool[0].close()
+    if st.spool_dir:
+        shutil.rmtree(st.spool_dir, ignore_errors=True)
+    reason = f"{type(failure).__name__}: {failure}" if failure is not None else st.stop_reason
+    st.log(f"stream    stopped ({reason}); acknowledged {lsn_to_str(st.acked)}")
+    return late
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def _loop(st: State) -> None:
+    """Read replication messages; between batches serve Kafka callbacks, acks, heartbeats, metrics and stops."""
+    read = st.cursor.read
+    poll = st.producer.poll
+    busy = 0
+    while True:
+        message = read()
+        if message is not None:
+            _handle(st, message)
+            busy += 1
+            if busy < 256 and st.stop_reason is None:  # a signal or an interrupted replay stops reading at once
+                continue
+        busy = 0
+        poll(0)
+        delivery.advance(st)
+        if message is None:
+            _idle(st)
+        if _tick(st):
+            return
+        if message is None:
+            st.cursor.wait(0.2)
+
+
+def _handle(st: State, message: tuple[int, bytes]) -> None:
+    """Dispatch one replication message (data start, payload)."""
+    data_start, payload = message
+    if st.decoder.in_stream and payload[0] in streamed_transactions.SPOOLED:
+        try:
+            spool = st.spools[st.stream_xid][0]
+            spool.write(streamed_transactions.RECORD.pack(data_start, len(payload)))
+            spool.write(payload)
+        except OSError as exc:
+            raise streamed_transactions.spool_error(st, st.stream_xid, exc) from exc
+        return
+    try:
+        m = st.decoder.decode(payload)
+    except PgOutputError as exc:
+        raise StreamError(f"malformed pgoutput message at LSN {lsn_to_str(data_start)}: {exc}; the slot "
+                          f"stays at {lsn_to_str(st.acked)}; report this with the server version") from exc
+    kind = m.kind
+    if kind in "IUD":
+        changes.change(st, m, data_start)
+    elif kind == "B":
+        delivery.begin(st, m.final_lsn, m.xid, m.commit_ts)
+    elif kind == "C":
+        delivery.commit(st, m.commit_lsn, m.end_lsn)
+    elif kind == "R":
+        relations.remember_relation(st, m)
+    elif kind == "T":
+        changes.truncate(st, m, data_start)
+    elif kind == "S":
+        streamed_transactions.stream_start(st, m)
+    elif kind == "E":
+        st.stream_xid = None
+    elif kind == "c":
+        streamed_transactions.stream_commit(st, m, _tick)
+    elif kind == "A":
+        streamed_transactions.stream_abort(st, m)
+    elif kind == "M" and m.prefix == incremental.WATERMARK_PREFIX:
+        incremental_chunks.watermark(st, m)
+    # Y (types: the catalog describes them), M (logical messages, e.g. heartbeats), O (origin): nothing to send
+
+
+def _idle(st: State) -> None:
+    """Nothing to read: with nothing pending, acknowledge the server's position (an idle slot must not pin WAL).
+
+    The keepalive's position is safe then: the server sends every transaction committed below it
+    before the keepalive itself.
+    """
+    if not st.inflight and st.tx is None and not st.spools and not st.decoder.in_stream:
+        delivery.ack(st, st.cursor.wal_end)
+    if (st.until == "caught_up" and st.heartbeat_s and st.cursor.wal_end < st.target
+            and time.monotonic() - st.last_heartbeat >= 1.0):
+        st.last_heartbeat = time.monotonic()  # a record past the target: its message proves we read that far
+        _heartbeat(st)
+
+
+def _tick(st: State) -> bool:
+    """Time-based work: stop conditions, feedback, heartbeat, metrics. True when the loop should end."""
+    now = time.monotonic()
+    if st.stop_reason is not None:
+        pass
+    elif st.stop_event is not None and st.stop_event.is_set():
+        st.stop_reason = "stop_event"
+    elif st.deadline is not None and now >= st.deadline:
+        st.stop_reason = "max_seconds"
+    elif st.until == "caught_up" and _caught_up(st):
+        st.stop_reason = "caught_up"
+    if st.acked != st.sent_feedback and now - st.last_feedback >= 1.0:
+        st.cursor.send_status()
+        st.sent_feedback, st.last_feedback = st.acked, now
+    if st.heartbeat_s and now - st.last_heartbeat >= st.heartbeat_s:
+        st.last_heartbeat = now
+        _heartbeat(st)
+    if now - st.last_incremental_check >= st.incremental_check_s:
+        st.last_incremental_check = now
+        incremental_chunks.check_requests(st)
+    incremental_chunks.next_chunk(st)
+    if now - st.last_metrics >= st.metrics_interval_s:
+        interval = now - st.last_metrics
+        st.last_metrics = now
+        _server_lsn(st)
+        if st.metrics_callback is not None:
+            st.metrics_callback(st.metrics(interval))
+        st.interval_events = st.events
+    return st.stop_reason is not None
+
+
+def _caught_up(st: State) -> bool:
+    """Everything committed before the target position was read, and every requested incremental snapshot done."""
+    if st.incremental or st.chunk is not None:
+        return False
+    if st.tx is not None and st.tx.commit_lsn < st.target:
+        return False
+    if st.cursor.wal_end >= st.target:
+        return True
+    return st.acked >= st.target and st.tx is None and not st.inflight  # nothing was left to send
+
+
+def _heartbeat(st: State) -> None:
+    """A non-transactional logical message: moves the slot even when no published table is written."""
+    try:
+        with st.sql.cursor() as cur:
+            cur.execute("SELECT pg_logical_emit_message(false, %s, '')", (HEARTBEAT_PREFIX,))
+        st.heartbeats += 1
+    except psycopg2.errors.InsufficientPrivilege as exc:
+        raise StreamError(_heartbeat_grant(st)) from exc
+    except psycopg2.Error as exc:  # not fatal: the next heartbeat reconnects
+        st.log(f"stream    heartbeat failed ({_pg_message(exc)}); reconnecting")
+        _reconnect_sql(st)
+
+
+def _heartbeat_grant(st: State) -> str:
+    user = config.get(st.conf, "source.user")
+    return (f"role {user} may not call pg_logical_emit_message, which the capture uses for heartbeats (so an idle "
+            f"slot keeps moving): as a superuser run GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message("
+            f"boolean, text, text) TO {user}; or run with heartbeat_s=0 (then writes to unpublished tables alone "
+            f"may not advance the slot)")
+
+
+def _reconnect_sql(st: State) -> None:
+    with contextlib.suppress(psycopg2.Error):
+        st.sql.close()
+    try:
+        st.sql = source.connect(st.conf, options=pgtypes.session_options())
+        st.sql.autocommit = True
+    except source.SourceError as exc:
+        st.log(f"stream    cannot reconnect for heartbeats: {exc}")
+
+
+def _server_lsn(st: State) -> None:
+    try:
+        with st.sql.cursor() as cur:
+            cur.execute("SELECT pg_current_wal_lsn()::text")
+            st.server_lsn = str_to_lsn(cur.fetchone()[0])
+    except psycopg2.Error:
+        _reconnect_sql(st)
+
+
+# ---------------------------------------------------------------------------------------------
+# relations, plans and schemas
+
+
+def _quote_ident(name: str) -> str:
+    """A publication name as publication_names parses it (quoted unless a plain lower-case identifier)."""
+    if name.replace("_", "a").isalnum() and name == name.lower() and not name[0].isdigit():
+        return name
+    return '"' + name.replace('"', '""') + '"'
+
+
+# ---------------------------------------------------------------------------------------------
+# truncate and streamed transactions
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental snapshots (lib/capture/incremental.py): chunks read beside the stream
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics and command line
+
+
+def summary(m: dict) -> str:
+    """One line for a metrics dict."""
+    rate = m.get("interval_events_per_s", m["events_per_s"])
+    lag = f"{m['lag_bytes']} B" if m["lag_bytes"] is not None else "?"
+    return (f"stream {m['slot']}: {m['events']} events ({rate}/s), {m['tombstones']} tombstones, "
+            f"{sum(m['truncates'].values())} truncates, {m['transactions']} tx; acked {m['acked_lsn']}, "
+            f"lag {lag} / {m['lag_s']} s" + (f"; stopped: {m['stopped']}" if m.get("stopped") else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m lib.capture.stream --target local [--until caught_up|forever]: a line per interval, then a summary."""
+    parser = argparse.ArgumentParser(prog="python -m lib.capture.stream", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="conf/<target>.yml (default: CDC_TARGET or local)")
+    parser.add_argument("--until", choices=UNTIL, default="caught_up")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop after this long")
+    parser.add_argument("--heartbeat-s", type=float, default=10.0, help="heartbeat interval, 0 = none (default 10)")
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds between summary lines (default 10)")
+    parser.add_argument("--pg-options", default="", help="libpq startup options for the replication connection, "
+                        "e.g. --pg-options='-c logical_decoding_work_mem=64kB'")
+    args = parser.parse_args(argv)
+    try:
+        conf = config.load(args.target)
+        result = run(conf, until=args.until, max_seconds=args.max_seconds, heartbeat_s=args.heartbeat_s,
+                     pg_options=args.pg_options, metrics_interval_s=args.interval,
+                     metrics_callback=lambda m: print(summary(m), flush=True),
+                     log=lambda line: print(line, file=sys.stderr, flush=True))
+    except Exception as exc:  # noqa: BLE001 - one line, exit 1
+        print(f"{parser.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    print("final " + summary(result), flush=True)
+    return 0
+
+
+def _pg_message(exc: psycopg2.Error) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

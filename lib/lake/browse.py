@@ -1,0 +1,83 @@
+"""Read the lake back: silver, bronze, one key's history, and a per-table summary."""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from lib.lake import lake_paths
+from lib.lake.lake_paths import MergeError
+
+
+def _lsn_text(c: Column) -> Column:
+    """A PostgreSQL LSN as text 'X/Y' from its 64-bit value."""
+    return F.concat(F.upper(F.hex(F.shiftright(c, 32))), F.lit("/"), F.upper(F.hex(c.bitwiseAND(0xFFFFFFFF))))
+
+
+def summary(spark: SparkSession, conf: dict) -> DataFrame:
+    """Per table: live silver rows, soft-deleted rows, rows with unknown TOAST columns, bronze events, last position."""
+    from delta.tables import DeltaTable
+
+    out_schema = "table string, silver_rows long, deleted_rows long, unknown_toast_rows long, bronze_events long, " \
+                 "last_commit_lsn long, last_lsn string"
+    frames = []
+    for spec in lake_paths.table_specs(conf):
+        silver, bronze = lake_paths.silver_path(conf, spec), lake_paths.bronze_path(conf, spec)
+        if not DeltaTable.isDeltaTable(spark, silver):
+            frames.append(spark.createDataFrame([(spec.qualified, None, None, None, None, None, None)], out_schema))
+            continue
+        events = spark.read.format("delta").load(bronze).filter(~F.col("_tombstone")).count() \
+            if DeltaTable.isDeltaTable(spark, bronze) else None
+        frames.append(spark.read.format("delta").load(silver).agg(
+            F.lit(spec.qualified).alias("table"), F.count(F.when(~F.col("_deleted"), 1)).alias("silver_rows"),
+            F.count(F.when(F.col("_deleted"), 1)).alias("deleted_rows"),
+            F.count(F.when(F.col("_unknown_cols").isNotNull() & ~F.col("_deleted"), 1)).alias("unknown_toast_rows"),
+            F.lit(events).cast("long").alias("bronze_events"), F.max("_commit_lsn").alias("last_commit_lsn"),
+            _lsn_text(F.max("_commit_lsn")).alias("last_lsn")))
+    result = frames[0]
+    for frame in frames[1:]:
+        result = result.unionByName(frame)
+    return result
+
+
+def silver(spark: SparkSession, conf: dict, table: str, include_deleted: bool = False) -> DataFrame:
+    """A silver table as a DataFrame (live rows only unless include_deleted)."""
+    frame = spark.read.format("delta").load(lake_paths.silver_path(conf, lake_paths.table_spec(conf, table)))
+    return frame if include_deleted else frame.filter(~F.col("_deleted"))
+
+
+def bronze(spark: SparkSession, conf: dict, table: str) -> DataFrame:
+    """A bronze change log as a DataFrame (every event and tombstone the merge received)."""
+    return spark.read.format("delta").load(lake_paths.bronze_path(conf, lake_paths.table_spec(conf, table)))
+
+
+def key_history(spark: SparkSession, conf: dict, table: str, key: dict) -> DataFrame:
+    """Bronze events and tombstones of one key (a dict of primary key fields) in the order they arrived,
+    each with its source position (commit_lsn, event_serial; ``position`` as text), transaction and commit time."""
+    frame = bronze(spark, conf, table)
+    fields = frame.schema["key"].dataType.fieldNames()
+    if sorted(key) != sorted(fields):
+        raise MergeError(f"key of {table} is ({', '.join(fields)}), not ({', '.join(key)}): pass every key field")
+    for name, value in key.items():
+        frame = frame.filter(F.col("key").getField(name) == F.lit(value))
+    lsn = _lsn_text(F.col("source.commit_lsn"))
+    return frame.orderBy("_batch_id", "_kafka_partition", "_kafka_offset").select(
+        "op", F.when(lsn.isNotNull(), F.format_string("(%s, %d)", lsn, F.col("source.event_serial"))).alias("position"),
+        F.col("source.commit_lsn").alias("commit_lsn"), lsn.alias("lsn"),
+        F.col("source.event_serial").alias("event_serial"), F.col("source.txId").cast("string").alias("tx_id"),
+        F.timestamp_millis(F.col("source.ts_ms")).alias("commit_ts"), F.col("_tombstone").alias("tombstone"),
+        "before", "after", "unchanged_cols", F.col("_kafka_partition").alias("partition"),
+        F.col("_kafka_offset").alias("offset"), F.col("_batch_id").alias("batch"))
+
+
+def dead_letter_counts(spark: SparkSession, conf: dict) -> DataFrame:
+    """Dead-lettered messages by topic and reason, with the first and last offset of each."""
+    from delta.tables import DeltaTable
+
+    path = lake_paths.dead_letter_path(conf)
+    if not DeltaTable.isDeltaTable(spark, path):
+        return spark.createDataFrame([], "topic string, reason string, messages long, first_offset long, "
+                                         "last_offset long")
+    return spark.read.format("delta").load(path).groupBy("topic", "reason").agg(
+        F.count(F.lit(1)).alias("messages"), F.min("offset").alias("first_offset"),
+        F.max("offset").alias("last_offset")).orderBy("topic", "reason")

@@ -1,0 +1,165 @@
+"""Merge stage: the table topics (Confluent Avro, Debezium envelope) -> Delta bronze change log and silver tables.
+
+How it works and what it guarantees: docs/merge.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pyspark.sql import DataFrame, SparkSession
+
+from lib import config, control, secrets
+from lib.lake import lake_paths, micro_batch, silver_table
+from lib.lake.lake_paths import MergeError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_OFFSETS = 100_000
+
+# ---------------------------------------------------------------------------------------------
+# the micro-batch
+
+
+def replay_dead_letters(spark: SparkSession, conf: dict) -> dict:
+    """Merge dead letters again: those that decode now reach bronze and silver (position-guarded, so late is safe)
+    and leave the dead-letter table; the others stay there with their (new) reason. Returns the batch's counts."""
+    import hashlib
+
+    from delta.tables import DeltaTable
+
+    path = lake_paths.dead_letter_path(conf)
+    if not DeltaTable.isDeltaTable(spark, path):
+        return {"replayed": 0}
+    letters = spark.read.format("delta").load(path).select("key", "value", "topic", "partition", "offset",
+                                                             "timestamp").dropDuplicates(["topic", "partition",
+                                                                                          "offset"])
+    rows = letters.collect()
+    if not rows:
+        return {"replayed": 0}
+    digest = hashlib.sha256(",".join(sorted(f"{r['topic']}/{r['partition']}/{r['offset']}" for r in rows))
+                            .encode()).hexdigest()[:12]
+    query = f"replay-dead-letters-{digest}"  # the same letters replayed again: their appends are found and skipped
+    replay_conf = config.apply_overrides(conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "dead_letter",
+                                                "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "0"})
+    frame = spark.createDataFrame(rows, letters.schema)
+    stats = micro_batch.process_batch(frame, 0, micro_batch.context(replay_conf, query=query, app_id=query))
+    DeltaTable.forPath(spark, path).alias("d").merge(
+        frame.select("topic", "partition", "offset").alias("r"),
+        f"d.topic = r.topic AND d.partition = r.partition AND d.offset = r.offset AND d.query <> '{query}'") \
+        .whenMatchedDelete().execute()
+    still = sum(stats.get("dead_letters", {}).values())
+    log.info("replayed %s dead letter(s): %s merged, %s still dead letters", len(rows), len(rows) - still, still)
+    return {**stats, "replayed": len(rows) - still, "still_dead": still}
+
+
+# ---------------------------------------------------------------------------------------------
+# the streaming query
+
+
+def kafka_options(conf: dict) -> dict[str, str]:
+    """Kafka source options from conf: servers, topics, earliest start, maxOffsetsPerTrigger, extras."""
+    options = {
+        "kafka.bootstrap.servers": str(config.get(conf, "kafka.bootstrap_servers")),
+        # the control topic too: a truncate alone (no later change) must still start a micro-batch
+        "subscribe": ",".join([spec.topic for spec in lake_paths.table_specs(conf)] + [control.topic(conf)]),
+        # only for a new checkpoint: on a reused one Spark resumes from it and reads a topic added to conf since
+        # (lib.operate.tables add) from its earliest offset (tests/test_incremental.py)
+        "startingOffsets": "earliest",
+        "includeHeaders": "true",  # a tombstone's position (lib/capture/events.py tombstone_headers)
+        "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger", DEFAULT_MAX_OFFSETS))),
+        "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss", True))).lower(),
+    }
+    for key, value in (config.get(conf, "merge.kafka_options", {}) or {}).items():
+        name = key if key.startswith("kafka.") or key in ("minPartitions", "fetchOffset.numRetries") else f"kafka.{key}"
+        options[name] = secrets.setting(conf, f"merge.kafka_options.{key}") if secrets.is_reference(value) \
+            else str(value)
+    return options
+
+
+def read_stream(conf: dict, spark: SparkSession) -> DataFrame:
+    """The streaming DataFrame of every configured table topic (Kafka's key, value, topic, partition, ...)."""
+    reader = spark.readStream.format("kafka")
+    for key, value in kafka_options(conf).items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def start(conf: dict, spark: SparkSession, trigger: str = "available_now", interval: str = "5 seconds",
+          fault=None):
+    """Start the merge query: trigger 'available_now' (catch up, then stop) or 'processing_time' (every interval).
+
+    The checkpoint is <lake.root>/_checkpoints/<query name>. Deleting it replays the topics from
+    the start (safe: silver only moves forward; bronze gets the events again).
+    """
+    name = lake_paths.query_name(conf)
+    ctx = micro_batch.context(conf, name, fault=fault)
+    ctx.session = spark
+    writer = read_stream(conf, spark).writeStream.queryName(name) \
+        .option("checkpointLocation", lake_paths.checkpoint_path(conf, name)) \
+        .foreachBatch(lambda frame, batch_id: micro_batch.process_batch(frame, batch_id, ctx))
+    if trigger == "available_now":
+        writer = writer.trigger(availableNow=True)
+    elif trigger == "processing_time":
+        writer = writer.trigger(processingTime=interval)
+    else:
+        raise ValueError(f"trigger must be 'available_now' or 'processing_time', not {trigger!r}")
+    query = writer.start()
+    query.merge_context = ctx  # the batches' counts: query.merge_context.history
+    return query
+
+
+def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, fault=None) -> dict:
+    """Run the merge with availableNow until every topic is caught up; returns batches and counts.
+
+    A failing batch raises MergeError naming the batch and the cause (the checkpoint keeps the
+    batch, so the next run retries it; its Delta commits are idempotent). When Spark itself stops
+    the query after batches went through (Spark 4.1.1's Kafka source fails computing its metrics
+    right after re-running a batch left uncommitted by a crash), the query is started again, up to
+    merge.restart_attempts (2) times.
+    """
+    from pyspark.errors import StreamingQueryException
+
+    lease = control.running_service(conf, "merge")
+    if lease is not None:
+        checkpoint = lake_paths.checkpoint_path(conf, lake_paths.query_name(conf))
+        raise MergeError(f"the continuous merge of slot {config.get(conf, 'source.slot')} runs "
+                         f"({control.describe_lease(lease)}) on checkpoint {checkpoint}, "
+                         f"which serves one query: it already merges every change. Stop it first (make stop, or pause "
+                         f"the cdc_merge job) to run this step, or skip this step")
+    attempts = int(config.get(conf, "merge.restart_attempts", 2))
+    history: list[dict] = []
+    name = lake_paths.query_name(conf)
+    for attempt in range(attempts + 1):
+        query = start(conf, spark, "available_now", fault=fault)
+        ctx = query.merge_context
+        try:
+            query.awaitTermination()
+            history += ctx.history
+            break
+        except StreamingQueryException as exc:
+            history += ctx.history
+            if ctx.failure is not None:
+                batch_id, cause = ctx.failure
+                raise MergeError(
+                    f"merge query {name} stopped in micro-batch {batch_id}: {type(cause).__name__}: {cause}. The "
+                    f"checkpoint {lake_paths.checkpoint_path(conf, name)} keeps the batch; fix the cause and run again "
+                    f"(the batch is retried, its Delta commits are idempotent)") from cause
+            if not ctx.history or attempt == attempts:
+                raise
+            log.warning("merge query %s stopped by Spark after %s batch(es) (%s); starting it again (attempt %s of %s)",
+                        name, len(ctx.history), str(exc).splitlines()[0][:300], attempt + 1, attempts)
+        finally:
+            if query.isActive:
+                query.stop()
+    if cleanup:
+        silver_table.cleanup_tombstones(spark, conf)
+    totals: dict[str, int] = {}
+    for batch in history:
+        for counts in batch["tables"].values():
+            for key, value in counts.items():
+                if isinstance(value, int):
+                    totals[key] = totals.get(key, 0) + value
+    return {"query": name, "batches": len(history), **totals}
+
+

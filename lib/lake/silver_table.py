@@ -1,0 +1,224 @@
+"""Silver, the current state: one row per key per micro-batch, then one MERGE guarded by the source position."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from lib import config
+from lib.lake import delta_io, lake_paths
+from lib.lake.lake_paths import META_COLUMNS, MergeError, TableSpec, quote
+from lib.lake.writer_schemas import Layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETENTION_HOURS = 168
+
+
+def merge_source(decoded: DataFrame, layout: Layout, truncate: tuple[int, int] | None, toast: bool) -> DataFrame:
+    """Good rows -> one row per key: the newest event (by commit_lsn, event_serial, partition, offset),
+    TOAST-unchanged columns filled from older events of the batch, or a lone tombstone."""
+    keys = [f.name for f in layout.key.fields]
+    key_lower = {k.lower() for k in keys}
+    payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
+    good = decoded.filter(F.col("__reason").isNull())
+    lsn, serial = F.col("__env.source.commit_lsn"), F.col("__env.source.event_serial")
+    events = good.filter(~F.col("__tomb"))
+    if truncate is not None:
+        events = events.filter((lsn > truncate[0]) | ((lsn == truncate[0]) & (serial > truncate[1])))
+
+    def shape(frame: DataFrame, key_of, kind: str, op: Column, after: Column) -> DataFrame:
+        return frame.select(
+            *[key_of(k).alias(k) for k in keys], after.alias("__after"), op.alias("__op"),
+            lsn.alias("__lsn"), serial.alias("__serial"), F.col("partition").alias("__part"),
+            F.col("offset").alias("__off"),
+            F.coalesce(F.timestamp_millis(F.col("__env.source.ts_ms")), F.col("timestamp")).alias("__ts"),
+            F.col("__env.unchanged_cols").alias("__unchanged"), F.lit(kind).alias("__kind"))
+
+    rows = shape(events, lambda k: F.col("__key")[k], "event", F.col("__env.op"), F.col("__env.after"))
+    # an update that changed the primary key (before carries the old key): the old key is deleted
+    before = F.col("__env.before")
+    moved = None
+    if keys:
+        changed = functools.reduce(lambda a, b: a | b, [before[k] != F.col("__key")[k] for k in keys])
+        complete = functools.reduce(lambda a, b: a & b, [before[k].isNotNull() for k in keys])
+        moved = events.filter((F.col("__env.op") == "u") & before.isNotNull() & changed & complete)
+    if moved is not None:
+        rows = rows.unionByName(shape(moved, lambda k: before[k], "event", F.lit("d"),
+                                      F.lit(None).cast(layout.row)))
+    # a tombstone that carries its delete's position (our capture's) is that delete, guarded like any event;
+    # one without (Debezium's, or written before positions were sent) soft-deletes a live row
+    placed = F.col("__tlsn").isNotNull()
+    tombs = good.filter(F.col("__tomb"))
+    if truncate is not None:
+        tombs = tombs.filter(~placed | (F.col("__tlsn") > truncate[0])
+                             | ((F.col("__tlsn") == truncate[0]) & (F.col("__tserial") > truncate[1])))
+    tombs = tombs.select(
+        *[F.col("__key")[k].alias(k) for k in keys], F.lit(None).cast(layout.row).alias("__after"),
+        F.when(placed, F.lit("d")).alias("__op"), F.col("__tlsn").alias("__lsn"),
+        F.col("__tserial").alias("__serial"), F.col("partition").alias("__part"),
+        F.col("offset").alias("__off"), F.col("timestamp").alias("__ts"),
+        F.array().cast("array<string>").alias("__unchanged"),
+        F.when(placed, F.lit("event")).otherwise(F.lit("tombstone")).alias("__kind"))
+    rows = rows.unionByName(tombs)
+    is_event = F.col("__kind") == "event"
+    order = F.when(is_event, F.struct("__lsn", "__serial", "__part", "__off"))
+    aggs = [F.max_by(F.struct("__after", "__op", "__lsn", "__serial", "__ts"), order).alias("__w"),
+            F.count(F.when(is_event, 1)).alias("__n"), F.max(F.when(~is_event, F.col("__ts"))).alias("__tts")]
+    candidates = [c for c in payload if c in layout.nullable] if toast else []
+    for i, c in enumerate(candidates):
+        known = is_event & (F.col("__op") != "d") & F.col("__after").isNotNull() \
+            & ~F.array_contains(F.col("__unchanged"), c)
+        aggs.append(F.max_by(F.struct(F.col("__after")[c].alias("v")), F.when(known, order)).alias(f"__f{i}"))
+    reduced = rows.groupBy(*keys).agg(*aggs)
+    filled = {c: F.when(F.col(f"__f{i}").isNotNull(), F.col(f"__f{i}.v")) for i, c in enumerate(candidates)}
+    unknown = (F.array_compact(F.array(*[F.when(F.col(f"__f{i}").isNull(), F.lit(c))
+                                         for i, c in enumerate(candidates)]))
+               if candidates else F.array().cast("array<string>"))
+    return reduced.select(
+        *keys, *[filled.get(c, F.col("__w.__after")[c]).alias(c) for c in payload],
+        F.when(F.col("__n") > 0, "event").otherwise("tombstone").alias("__kind"),
+        F.col("__w.__op").alias("__op"), F.col("__w.__lsn").alias("__lsn"), F.col("__w.__serial").alias("__serial"),
+        F.when(F.col("__n") > 0, F.col("__w.__ts")).otherwise(F.col("__tts")).alias("__ts"),
+        unknown.alias("__unchanged"))
+
+
+def silver_schema(layout: Layout) -> T.StructType:
+    """Silver's columns: the row's fields, then the merge's own columns."""
+    return T.StructType([T.StructField(f.name, f.dataType) for f in layout.row.fields] + [
+        T.StructField("_commit_lsn", T.LongType()), T.StructField("_event_serial", T.LongType()),
+        T.StructField("_op", T.StringType()), T.StructField("_deleted", T.BooleanType()),
+        T.StructField("_deleted_at", T.TimestampType()), T.StructField("_updated_at", T.TimestampType()),
+        T.StructField("_unknown_cols", T.ArrayType(T.StringType()))])
+
+
+def _align_columns(spark: SparkSession, table, path: str, spec: TableSpec, row: T.StructType):
+    """Add new columns to silver and widen changed types; a change Delta cannot make raises with the remedy."""
+    current = {f.name.lower(): f for f in table.toDF().schema.fields}
+    added = [f for f in row.fields if f.name.lower() not in current]
+    ident = f"delta.{quote(path)}"
+    if added:
+        spark.sql(f"ALTER TABLE {ident} ADD COLUMNS ("
+                  + ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in added) + ")")
+        log.info("merge %s: silver gained column(s) %s", spec.qualified, ", ".join(f.name for f in added))
+    for f in row.fields:
+        have = current.get(f.name.lower())
+        if have is None or have.dataType.simpleString() == f.dataType.simpleString():
+            continue
+        if isinstance(have.dataType, T.DecimalType) and isinstance(f.dataType, T.DecimalType) \
+                and f.dataType.precision - f.dataType.scale <= have.dataType.precision - have.dataType.scale \
+                and f.dataType.scale <= have.dataType.scale:
+            continue  # narrower decimal: values fit the stored type
+        try:
+            spark.sql(f"ALTER TABLE {ident} ALTER COLUMN {quote(have.name)} TYPE {f.dataType.simpleString()}")
+        except Exception as exc:
+            raise MergeError(
+                f"silver table {spec.qualified} ({path}): column {have.name} is {have.dataType.simpleString()} but "
+                f"the topic {spec.topic} now carries {f.dataType.simpleString()}, which Delta cannot widen to: "
+                f"rebuild the silver table (move it away and replay the topic with a new checkpoint) or change the "
+                f"column with ALTER TABLE; {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+
+
+def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
+                  truncate: tuple[int, int, object] | None, ready: dict | None = None) -> None:
+    """The one MERGE of a table in a micro-batch.
+
+    Running it again with the same source changes nothing (every clause requires a newer position or
+    a live row), so a retried micro-batch needs no idempotence id here. ``ready`` (the context's
+    per-table cache) skips the existence, schema and emptiness checks once they are known.
+    """
+    from delta.tables import DeltaTable
+
+    keys = [f.name for f in layout.key.fields]
+    key_lower = {k.lower() for k in keys}
+    payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
+    ready = {} if ready is None else ready
+    known = ready.get(path)
+    if known is None or known["row"] != layout.row:
+        table = delta_io.ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS))
+        _align_columns(spark, table, path, spec, layout.row)
+        known = ready[path] = {"row": layout.row, "filled": False}
+    table = DeltaTable.forPath(spark, path)
+    if not known["filled"]:
+        known["filled"] = bool(table.detail().select("numFiles").collect()[0][0])
+    on = " AND ".join(f"t.{quote(k)} = s.{quote(k)}" for k in keys)
+    newer = ("(s.__lsn > t._commit_lsn OR (s.__lsn = t._commit_lsn AND s.__serial > t._event_serial) "
+             "OR (s.__lsn = t._commit_lsn AND s.__serial = t._event_serial AND t._op = 'tombstone' "
+             "AND s.__op <> 'd'))")
+    is_delete = "s.__op = 'd'"
+    update = {quote(c): f"CASE WHEN {is_delete} OR array_contains(s.__unchanged, '{c}') THEN t.{quote(c)} "
+                        f"ELSE s.{quote(c)} END" for c in payload}
+    update.update({
+        "_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
+        "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END",
+        "_updated_at": "s.__ts",
+        "_unknown_cols": f"CASE WHEN {is_delete} THEN t._unknown_cols ELSE "
+                         "nullif(array_intersect(coalesce(t._unknown_cols, array()), s.__unchanged), array()) END"})
+    insert = {quote(c): f"s.{quote(c)}" for c in keys + payload}
+    insert.update({"_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
+                   "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END", "_updated_at": "s.__ts",
+                   "_unknown_cols": f"CASE WHEN NOT {is_delete} THEN nullif(s.__unchanged, array()) END"})
+    for attempt in (1, 2):
+        builder = table.alias("t").merge(source.alias("s"), on)
+        if known["filled"]:
+            builder = builder.whenMatchedUpdate("s.__kind = 'tombstone' AND NOT t._deleted",
+                                                {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}) \
+                .whenMatchedUpdate(f"s.__kind = 'event' AND {newer}", update)
+        # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only MERGE path
+        builder = builder.whenNotMatchedInsert("s.__kind = 'event'", insert)
+        if truncate is not None:
+            lsn, serial, ts_ms = truncate
+            builder = builder.whenNotMatchedBySourceUpdate(
+                f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
+                {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
+                 "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"})
+        try:
+            builder.execute()  # "filled" stays as checked: the next batch looks again until the table has files
+            return
+        except Exception as exc:  # noqa: BLE001 - one known Delta refusal is retried, anything else raised
+            if attempt == 2 or "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION" not in str(exc):
+                raise
+            # Delta saw the source's cached state change while it ran (a source it did not materialize, such as
+            # the insert-only path's): run it again on a copy of the source that no cache can change
+            log.warning("merge %s: Delta refused the MERGE (%s); running it again on a checkpointed copy of "
+                        "the source", spec.qualified, "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION")
+            source = source.localCheckpoint(eager=True)
+
+
+def truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, object]) -> bool:
+    """True when silver still holds a live row older than the truncate's position."""
+    from delta.tables import DeltaTable
+
+    if not DeltaTable.isDeltaTable(spark, path):
+        return False
+    lsn, serial, _ = truncate
+    older = (F.col("_commit_lsn") < lsn) | ((F.col("_commit_lsn") == lsn) & (F.col("_event_serial") < serial))
+    return bool(spark.read.format("delta").load(path).filter(~F.col("_deleted") & older).limit(1).count())
+
+
+def cleanup_tombstones(spark: SparkSession, conf: dict, retention_hours: float | None = None) -> dict[str, int]:
+    """Physically delete soft tombstones older than merge.tombstone_retention_hours; rows removed per table.
+
+    Careful: after this, an event older than a removed tombstone (a replay from before the delete)
+    can bring the row back. Keep the retention longer than the topics' delete.retention.ms and
+    than any replay you may run.
+    """
+    from delta.tables import DeltaTable
+
+    hours = float(retention_hours if retention_hours is not None
+                  else config.get(conf, "merge.tombstone_retention_hours", DEFAULT_RETENTION_HOURS))
+    removed = {}
+    for spec in lake_paths.table_specs(conf):
+        path = lake_paths.silver_path(conf, spec)
+        if not DeltaTable.isDeltaTable(spark, path):
+            continue
+        table = DeltaTable.forPath(spark, path)
+        table.delete(f"_deleted AND _deleted_at < current_timestamp() - make_dt_interval(0, 0, 0, {hours * 3600})")
+        metrics = table.history(1).select("operation", "operationMetrics").collect()[0]
+        removed[spec.qualified] = int((metrics["operationMetrics"] or {}).get("numDeletedRows", 0)) \
+            if metrics["operation"] == "DELETE" else 0
+    return removed

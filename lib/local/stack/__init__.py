@@ -1,0 +1,168 @@
+"""The local stack: PostgreSQL, Kafka (KRaft) and Apicurio Registry as local processes.
+
+`python -m lib.local.stack up|down|status|logs|fetch` (the Makefile wraps these). Everything lives
+under the folder in stack.dir (.stack/ by default, git-ignored): downloads in cache/, the
+services' data, logs/ and run/ (pid files). Ports come from conf/local.yml.
+"""
+
+from __future__ import annotations
+
+import secrets as random_secrets
+import time
+from pathlib import Path
+
+from lib import config, secrets
+from lib.local.stack import fetch, kafka, postgres, process, registry
+from lib.local.stack.process import StackError
+
+__all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
+
+SERVICES = ("postgres", "kafka", "registry")
+
+
+def stack_dir(conf: dict) -> Path:
+    """The stack's folder, from stack.dir."""
+    return config.project_path(config.get(conf, "stack.dir"))
+
+
+def fetch_all(conf: dict, log=print) -> None:
+    """Download (or find in the cache) everything the stack and Spark need."""
+    fetch.fetch_all(stack_dir(conf), log=log)
+
+
+def env_references(node) -> list[str]:
+    """Names of every {env: NAME} secret reference in a conf tree."""
+    if secrets.is_reference(node) and "env" in node:
+        return [str(node["env"])]
+    if isinstance(node, dict):
+        return [name for value in node.values() for name in env_references(value)]
+    if isinstance(node, list):
+        return [name for value in node for name in env_references(value)]
+    return []
+
+
+def ensure_local_secrets(conf: dict, environ=None, path: Path | None = None, log=print) -> None:
+    """Give every env secret of the local conf a random value in conf/secrets.env if unset."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    path = secrets.SECRETS_FILE if path is None else path
+    known = secrets.read_env_file(path)
+    missing = [name for name in dict.fromkeys(env_references(conf))
+               if not environ.get(name) and not known.get(name)]
+    if not missing:
+        return
+    lines = [f"{name}={random_secrets.token_urlsafe(18)}\n" for name in missing]
+    path.touch(mode=0o600, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.writelines(lines)
+    log(f"secrets   wrote random values for {', '.join(missing)} to {path} (git-ignored)")
+
+
+def up(conf: dict, log=print) -> None:
+    """Start every service (reusing what runs) and wait until each answers."""
+    began = time.monotonic()
+    folder = stack_dir(conf)
+    fetch.fetch_all(folder, log=lambda line: None if "cached" in line else log(line))
+    ensure_local_secrets(conf, log=log)
+    postgres.start(conf, folder, log=log)
+    timeout = float(config.get(conf, "stack.start_timeout_s"))
+    started = {name: module.start(conf, folder, log=log) for name, module in
+               (("kafka", kafka), ("registry", registry))}
+    probes = {"kafka": (kafka.ready, kafka.files(folder)), "registry": (registry.ready, registry.files(folder))}
+    for name, (probe, where) in probes.items():
+        pid = started[name]
+        process.wait_ready(name, lambda probe=probe: probe(conf), timeout, where["log"], pid, where["pid"])
+        if pid:
+            log(f"{name:9s} started on port {status_of(conf, name)['port']} (pid {pid})")
+    log(f"stack     up in {time.monotonic() - began:.1f} s")
+
+
+def sample(conf: dict, customers: int = 200, seed: int = 7, reset: bool = False, log=print) -> dict:
+    """Load the sample bank into the source database (once, or again with reset) and grant reads."""
+    from psycopg2 import sql
+
+    from lib import source
+    from lib.local import sample_db
+
+    conn = source.connect(conf, admin=True)
+    try:
+        counts = sample_db.row_counts(conn) if not reset and has_schema(conn, sample_db.SCHEMA) else None
+        if counts and any(counts.values()):
+            log(f"sample    already loaded ({counts['bank.customers']} customers); "
+                "`python -m lib.local.stack sample --reset` reloads it")
+        else:
+            sample_db.create_schema(conn)
+            counts = sample_db.load(conn, customers=customers, seed=seed)
+            log(f"sample    loaded {sum(counts.values())} rows into {len(counts)} tables (seed {seed})")
+        pipeline = sql.Identifier(config.get(conf, "source.user"))
+        schema = sql.Identifier(sample_db.SCHEMA)
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(schema, pipeline))
+            cur.execute(sql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(schema, pipeline))
+        conn.commit()
+        return counts
+    finally:
+        conn.close()
+
+
+def has_schema(conn, schema: str) -> bool:
+    """True when the schema exists in the connected database."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))
+        return cur.fetchone() is not None
+
+
+def down(conf: dict, log=print) -> None:
+    """Stop every service, newest first; data and logs stay."""
+    folder = stack_dir(conf)
+    registry.stop(folder, log=log)
+    kafka.stop(folder, log=log)
+    postgres.stop(conf, folder, log=log)
+
+
+def clean(conf: dict, log=print) -> None:
+    """Stop the stack and delete its data, logs and pid files; the download cache stays."""
+    import shutil
+
+    down(conf, log=log)
+    folder = stack_dir(conf)
+    for child in folder.iterdir() if folder.is_dir() else []:
+        if child.name == "cache":
+            continue
+        if child.is_symlink():
+            shutil.rmtree(child.resolve(), ignore_errors=True)
+            child.unlink()
+        elif child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    log(f"stack     data and logs removed from {folder} (downloads kept in {folder / 'cache'})")
+
+
+def endpoints(conf: dict) -> dict[str, str]:
+    """Where to connect, for people (passwords are named, never shown)."""
+    source = conf["source"]
+    return {
+        "psql": f"psql postgresql://{source['admin_user']}@{source['host']}:{source['port']}/{source['database']}"
+                f"  (password: {secrets.describe(source['admin_password'])}, in conf/secrets.env locally)",
+        "kafka": str(config.get(conf, "kafka.bootstrap_servers")),
+        "registry": str(config.get(conf, "registry.url")),
+    }
+
+
+def status_of(conf: dict, name: str) -> dict:
+    """Status row of one service."""
+    module = {"postgres": postgres, "kafka": kafka, "registry": registry}[name]
+    return module.status(conf, stack_dir(conf))
+
+
+def status(conf: dict) -> list[dict]:
+    """One row per service: state, pid, port, version, log file."""
+    return [status_of(conf, name) for name in SERVICES]
+
+
+def logs(conf: dict, service: str | None = None, lines: int = 40) -> str:
+    """The last lines of one service's log, or of all of them."""
+    rows = [status_of(conf, service)] if service else status(conf)
+    return "\n".join(f"==> {row['log']} <==\n{process.tail(Path(row['log']), lines)}\n" for row in rows)

@@ -1,0 +1,244 @@
+"""What the capture and merge service processes run: the stream or the merge query, metrics and a lease.
+
+``run_capture(conf)`` and ``run_merge(conf)`` run until SIGTERM (or stop_event, max_seconds), append a
+metrics record every ``service.metrics_interval_s`` and renew the service's lease in the control topic,
+so the notebooks' catch-up steps know not to run beside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import signal
+import threading
+import time
+
+from lib import config, control
+from lib.operate import metrics, monitor
+
+DEFAULT_MERGE_INTERVAL = "10 seconds"
+DEFAULT_MERGE_RESTARTS = 3
+LEASE_INTERVALS, LEASE_SLACK_S = 3, 30.0  # a service's lease outlives a few missed metrics intervals
+STOP_GRACE_S = 45.0  # how long the merge waits for a running micro-batch to finish before stopping
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT (main thread only) or by a caller's threading.Event."""
+
+    def __init__(self, event=None):
+        self.event = event or threading.Event()
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, lambda signum, frame: self.event.set())
+
+    def __call__(self) -> bool:
+        return self.event.is_set()
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _renew_lease(conf: dict, name: str, log) -> None:
+    """Tell the notebooks, on any machine, that this service runs (control.running_service)."""
+    try:
+        control.renew_lease(conf, name, LEASE_INTERVALS * metrics.metrics_interval_s(conf) + LEASE_SLACK_S)
+    except control.ControlError as exc:
+        log(f"{name:<9} cannot renew its lease in the control topic: {exc}")
+
+
+def _drop_lease(conf: dict, name: str) -> None:
+    with contextlib.suppress(control.ControlError):
+        control.put(conf, control.lease_key(conf, name), None)
+
+
+def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, log=print) -> dict:
+    """The capture in this process until stopped (SIGTERM, stop_event, max_seconds); appends metrics records."""
+    from lib import source
+    from lib.capture import stream
+
+    interval = metrics.metrics_interval_s(conf)
+    previous: dict = {}
+    conn = source.connect(conf)
+    conn.autocommit = True
+
+    def on_metrics(m: dict) -> None:
+        log(stream.summary(m))
+        metrics.record(conf, "capture", capture_record(conf, m, previous, conn))
+        _renew_lease(conf, "capture", log)
+
+    _renew_lease(conf, "capture", log)
+    try:
+        result = stream.run(conf, until="forever", stop_event=stop_event, max_seconds=max_seconds,
+                            metrics_callback=on_metrics, metrics_interval_s=interval,
+                            heartbeat_s=float(config.get(conf, "service.heartbeat_s", 10)),
+                            log=log)
+        on_metrics(result)
+        _drop_lease(conf, "capture")  # a clean stop; after a crash the keeper starts it again, the lease stays
+    finally:
+        conn.close()
+    return result
+
+
+def capture_record(conf: dict, m: dict, previous: dict, conn=None) -> dict:
+    """A history record from stream metrics: rates per table since the previous record, slot WAL figures."""
+    now = time.monotonic()
+    per_table = dict(m.get("events_per_table") or {})
+    before = previous.get("per_table", {})
+    interval = now - previous["at"] if "at" in previous else float(m.get("elapsed_s") or 1.0)
+    out = {key: m.get(key) for key in ("slot", "events", "tombstones", "transactions", "heartbeats", "acked_lsn",
+                                       "server_lsn", "lag_bytes", "lag_s", "in_flight_transactions", "stopped",
+                                       "caught_up")}
+    out.update({"events_per_table": per_table, "interval_s": round(interval, 3),
+                "interval_events_per_table": {t: n - before.get(t, 0) for t, n in per_table.items()},
+                "interval_events_per_s": m.get("interval_events_per_s", m.get("events_per_s")),
+                "truncates": sum((m.get("truncates") or {}).values())})
+    try:
+        row = monitor.slot_row(conf, conn)
+        if row:
+            out.update({"retained_wal_bytes": row["retained_wal_bytes"], "wal_status": row["wal_status"],
+                        "slot_lag_bytes": row["lag_bytes"]})
+    except Exception as exc:  # noqa: BLE001 - a monitoring query must not stop the capture
+        out["slot_error"] = str(exc)
+    previous.update({"at": now, "per_table": per_table})
+    return out
+
+
+def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None = None, log=print) -> dict:
+    """The merge query (processing-time trigger) in this process until stopped; appends metrics records."""
+    from pyspark.errors import StreamingQueryException
+
+    from lib import spark as spark_lib
+    from lib.lake import merge
+
+    if spark is None:
+        settings = dict(config.get(conf, "spark.settings", {}) or {})
+        settings.setdefault("spark.ui.showConsoleProgress", "false")  # progress bars would fill the log
+        # the merge only uses Delta paths: an in-memory catalog leaves a local (one-driver) metastore free
+        options = {"catalog": "in-memory"} if "catalog" in inspect.signature(spark_lib.from_conf).parameters else {}
+        spark = spark_lib.from_conf({**conf, "spark": {**conf.get("spark", {}), "settings": settings}}, **options)
+    interval = str(config.get(conf, "service.merge_interval", DEFAULT_MERGE_INTERVAL))
+    budget = int(config.get(conf, "service.merge_restarts", DEFAULT_MERGE_RESTARTS))
+    every = metrics.metrics_interval_s(conf)
+    stop = _StopFlag(stop_event)
+    deadline = time.monotonic() + max_seconds if max_seconds else None
+    tally = _MergeTally(conf, spark)
+    failures = 0
+    _renew_lease(conf, "merge", log)
+    try:
+        while True:
+            query = merge.start(conf, spark, "processing_time", interval)
+            ctx = query.merge_context
+            log(f"merge     query {query.name} ({query.id}) started, trigger every {interval}")
+            last = time.monotonic()
+            try:
+                while query.isActive and not stop():
+                    if deadline is not None and time.monotonic() >= deadline:
+                        stop.event.set()
+                        break
+                    try:
+                        query.awaitTermination(1)
+                    except StreamingQueryException:
+                        break
+                    if time.monotonic() - last >= every:
+                        last = time.monotonic()
+                        metrics.record(conf, "merge", tally.tick(ctx, log))
+                        _renew_lease(conf, "merge", log)
+            finally:
+                _stop_query(query, float(config.get(conf, "service.stop_grace_s", STOP_GRACE_S)), log)
+            metrics.record(conf, "merge", tally.tick(ctx, log))
+            if stop():
+                _drop_lease(conf, "merge")
+                return tally.totals()
+            if ctx.failure is not None:
+                batch_id, cause = ctx.failure
+                raise merge.MergeError(
+                    f"merge query {ctx.query} stopped in micro-batch {batch_id}: {type(cause).__name__}: {cause}. The "
+                    f"checkpoint keeps the batch; fix the cause and start the merge again (the batch is retried, its "
+                    f"Delta commits are idempotent)") from cause
+            failures = 0 if ctx.history else failures + 1
+            error = str(query.exception()).splitlines()[0][:300]
+            if failures > budget:
+                raise merge.MergeError(f"merge query {ctx.query} was stopped by Spark {failures} times in a row "
+                                       f"without a micro-batch (last: {error}); see the log, fix the cause and start "
+                                       f"it again")
+            log(f"merge     query stopped by Spark after {len(ctx.history)} batch(es) ({error}); starting it again "
+                f"from the checkpoint")
+    finally:
+        stop.restore()
+
+
+def _stop_query(query, grace_s: float, log) -> None:
+    """Stop the query between micro-batches when one finishes within grace_s (else interrupt it: it is retried)."""
+    deadline = time.monotonic() + grace_s
+    while query.isActive and time.monotonic() < deadline:
+        try:
+            if not query.status["isTriggerActive"]:
+                break
+        except Exception:  # noqa: BLE001 - the query just ended
+            break
+        time.sleep(0.2)
+    if query.isActive:
+        if time.monotonic() >= deadline:
+            log(f"merge     micro-batch still running after {grace_s:.0f} s: interrupting it (it runs again on the "
+                f"next start; its Delta commits are idempotent)")
+        query.stop()
+
+
+class _MergeTally:
+    """Counts of the merge service's batches since it started, per table, for the metrics history."""
+
+    def __init__(self, conf: dict, spark):
+        from lib.lake import merge
+
+        self.conf, self.spark = conf, spark
+        self.specs = merge.table_specs(conf)
+        self.events = {s.qualified: 0 for s in self.specs}
+        by_topic = {row["topic"]: row["n"] for row in merge.dead_letter_counts(spark, conf)
+                    .groupBy("topic").agg({"messages": "sum"}).withColumnRenamed("sum(messages)", "n").collect()}
+        self.dead = {s.qualified: int(by_topic.get(s.topic) or 0) for s in self.specs}
+        self.batches = 0
+        self.last: dict[int, int] = {}  # id(merge context) -> last batch id counted (each query start has its own)
+        self.positions: dict[str, int | None] = {}
+        self.at = time.monotonic()
+
+    def tick(self, ctx, log) -> dict:
+        """One history record: the batches finished since the last tick, Kafka lag, positions when they moved."""
+        now = time.monotonic()
+        interval = max(now - self.at, 1e-9)
+        self.at = now
+        fresh = [b for b in ctx.history if b["batch_id"] > self.last.get(id(ctx), -1)]
+        per_table = {s.qualified: 0 for s in self.specs}
+        for batch in fresh:
+            self.last[id(ctx)] = batch["batch_id"]
+            self.batches += 1
+            for table, counts in batch["tables"].items():
+                n = int(counts.get("events", 0)) + int(counts.get("tombstones", 0))
+                per_table[table] = per_table.get(table, 0) + n
+                self.events[table] = self.events.get(table, 0) + n
+                self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
+        if fresh or not self.positions:
+            try:
+                self.positions = monitor.merged_positions(self.spark, self.conf)
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop the merge
+                log(f"merge     positions unknown: {exc}")
+        record = {"batches": self.batches, "last_batch_id": fresh[-1]["batch_id"] if fresh else None,
+                  "interval_s": round(interval, 3), "interval_events_per_table": per_table,
+                  "events_per_table": dict(self.events),
+                  "interval_events_per_s": round(sum(per_table.values()) / interval, 1),
+                  "dead_letters": dict(self.dead), "positions": dict(self.positions)}
+        try:
+            lag = monitor.kafka_lag(self.conf)
+            record["kafka_lag"] = sum(v["lag"] or 0 for v in lag.values())
+            record["kafka_lag_per_topic"] = {t: v["lag"] for t, v in lag.items()}
+        except Exception as exc:  # noqa: BLE001
+            record["kafka_error"] = str(exc)
+        if fresh:
+            log(f"merge     {len(fresh)} batch(es), {sum(per_table.values())} events, Kafka lag "
+                f"{record.get('kafka_lag', '?')}")
+        return record
+
+    def totals(self) -> dict:
+        """What the service merged since it started."""
+        return {"batches": self.batches, "events_per_table": dict(self.events), "dead_letters": dict(self.dead)}
