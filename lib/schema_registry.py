@@ -32,6 +32,11 @@ class IncompatibleSchemaError(RegistryError):
     """The registry rejected a new schema version under the subject's compatibility rule (HTTP 409)."""
 
 
+def confluent_header(schema_id: int) -> bytes:
+    """Confluent wire format: magic byte 0 and the 4-byte big-endian schema id, before the Avro binary."""
+    return b"\x00" + int(schema_id).to_bytes(4, "big")
+
+
 def canonical_json(schema) -> str:
     """The one JSON text of a schema we register and look up (sorted keys, no spaces).
 

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 import pytest
 
-from lib.capture import events, pgtypes
+from lib.capture import avro_encoder, pgtypes
 from lib.capture.catalog import Column, PgType
 
 CANARY = "4929123456789012"  # looks like a card number: it must not appear in any message
@@ -27,8 +27,9 @@ def test_a_value_that_does_not_convert_is_named_by_column_not_by_value(type_name
 
 
 @pytest.mark.parametrize("encode, value", [
-    (events._int, int(CANARY)), (events._long, int(CANARY + "0000")), (events._boolean, CANARY),
-    (events._decimal(14, 2), Decimal(CANARY + ".5")), (events._decimal(20, 2), Decimal(CANARY + ".125"))])
+    (avro_encoder.int_bytes, int(CANARY)), (avro_encoder.long_bytes, int(CANARY + "0000")),
+    (avro_encoder.boolean_bytes, CANARY), (avro_encoder.decimal_encoder(14, 2), Decimal(CANARY + ".5")),
+    (avro_encoder.decimal_encoder(20, 2), Decimal(CANARY + ".125"))])
 def test_an_avro_encoding_error_does_not_quote_the_value(encode, value):
     with pytest.raises(ValueError) as raised:
         encode(value)

@@ -63,7 +63,7 @@ def test_history_reads_every_record_and_plots(conf):
 
 
 def test_history_rotates_a_large_file(conf, monkeypatch):
-    monkeypatch.setattr(monitor, "MAX_HISTORY_BYTES", 200)
+    monkeypatch.setattr(metrics, "MAX_HISTORY_BYTES", 200)
     for i in range(10):
         metrics.record(conf, "capture", {"events": i})
     path = metrics.metrics_path(conf, "capture")

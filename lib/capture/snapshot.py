@@ -75,7 +75,7 @@ class _Progress(threading.Thread):
             self.active.pop(table, None)
 
     def run(self):
-        consumer = snapshot_write.consumer(self.conf)
+        consumer = snapshot_write.topic_consumer(self.conf)
         try:
             while not self.stop.wait(self.interval):
                 with self.lock:

@@ -14,6 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 from lib import config, schema_registry
 from lib.capture import avro_schemas, catalog
 from lib.capture.snapshot_slot import SnapshotError
+from lib.schema_registry import confluent_header
 
 
 def wire_record(record: dict, fields: list[dict]) -> dict:
@@ -37,11 +38,6 @@ def _without_logical_types(schema):
     if isinstance(schema, list):
         return [_without_logical_types(v) for v in schema]
     return schema
-
-
-def confluent_header(schema_id: int) -> bytes:
-    """Magic byte 0 and the 4-byte big-endian schema id."""
-    return b"\x00" + int(schema_id).to_bytes(4, "big")
 
 
 def envelope_parts(table: catalog.Table, conf: dict, value_schema: dict, consistent_lsn: int, snapshot_ts_ms: int,
