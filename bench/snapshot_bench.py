@@ -164,7 +164,7 @@ def breakdown(conf: dict, spark, log) -> dict:
         out["rows"], out["partitions"] = plan["rows"], plan["partitions"]
 
         def frames():
-            rows, fields = snapshot_read.read_table(spark, conf, table, name, plan, unknown_types)
+            rows, fields = snapshot_read.read_table(conf, spark, table, name, plan, unknown_types)
             encoded = snapshot_write.encode(rows, table, conf, key_schema, value_schema, key_id, value_id,
                                             consistent, int(time.time() * 1000), fields)
             return rows, encoded

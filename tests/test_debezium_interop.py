@@ -227,12 +227,12 @@ def test_debezium_topics_merge_into_exact_silver(dbz, spark_session):
     conn.close()
     for name in TABLES:
         expected = reconcile.source_types(spark, described[name], conf)
-        have = browse.silver(spark, conf, name).schema
+        have = browse.silver(conf, spark, name).schema
         assert [(f.name, f.dataType) for f in have.fields if not f.name.startswith("_")] == \
             [(f.name, f.dataType) for f in expected.fields], name
-    assert isinstance(browse.silver(spark, conf, "dbz.accounts").schema["updated"].dataType, T.TimestampType)
+    assert isinstance(browse.silver(conf, spark, "dbz.accounts").schema["updated"].dataType, T.TimestampType)
 
-    accounts = {r["id"]: r for r in browse.silver(spark, conf, "dbz.accounts", include_deleted=True).collect()}
+    accounts = {r["id"]: r for r in browse.silver(conf, spark, "dbz.accounts", include_deleted=True).collect()}
     assert accounts[7]["_deleted"] and accounts[11]["_deleted"] and accounts[30]["_deleted"]
     assert not accounts[1000]["_deleted"] and accounts[1001]["note"] is not None and accounts[1001]["doc"]
     assert accounts[9]["owner"] == "reborn" and not accounts[9]["_deleted"]

@@ -96,7 +96,7 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
     snapshot.run(incr, spark_session, progress=lambda line: None)
     before = merge.run_until_caught_up(incr, spark_session)  # the initial tables: the checkpoint knows their topics
     assert before["batches"] >= 1
-    assert {r["table"] for r in browse.summary(spark_session, incr).collect()} == set(config.get(incr, "source.tables"))
+    assert {r["table"] for r in browse.summary(incr, spark_session).collect()} == set(config.get(incr, "source.tables"))
     lines: list[str] = []
     stop = threading.Event()
     capture: dict = {}

@@ -167,7 +167,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
            "database": database, "private": private, "view_text": []}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(SALT_ENV, salt_a)
-        out["build1"] = masking.create_views(spark, test_conf, policy, tables=[TABLE, "bank.accounts"])
+        out["build1"] = masking.create_views(test_conf, spark, policy, tables=[TABLE, "bank.accounts"])
         out["clean1"] = texts(spark, f"{database}.customers_clean")
         # schema evolution: a PII column appears in silver and bronze, the policy does not list it
         c3 = customer(3, "Zorblatt", "canary.zq81@example.com", passport="PASSPORT-CANARY-778", evolved=True)
@@ -175,7 +175,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
             .write.format("delta").mode("append").option("mergeSchema", "true").save(silver)
         spark.createDataFrame([event("c", None, c3, 504, 0, 5, 4)], bronze_schema(True)) \
             .write.format("delta").mode("append").option("mergeSchema", "true").save(bronze)
-        out["build2"] = masking.create_views(spark, test_conf, policy, tables=[TABLE, "bank.accounts"])
+        out["build2"] = masking.create_views(test_conf, spark, policy, tables=[TABLE, "bank.accounts"])
         for kind in ("clean", "full", "history"):
             out[kind] = texts(spark, f"{private if kind == 'full' else database}.customers_{kind}")
         out["analyst_views"] = sorted(r["viewName"] for r in spark.sql(f"SHOW VIEWS IN {database}").collect())
@@ -183,7 +183,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
         out["view_text"].append(view_texts(spark, f"{database}.customers_history"))
         out["view_text"].append(view_texts(spark, f"{private}.customers_full"))
         env.setenv(SALT_ENV, salt_b)
-        out["build3"] = masking.create_views(spark, test_conf, policy, tables=[TABLE])
+        out["build3"] = masking.create_views(test_conf, spark, policy, tables=[TABLE])
         out["clean_b"] = texts(spark, f"{database}.customers_clean")
         out["view_text"].append(view_texts(spark, f"{database}.customers_clean"))
         out["view_text"].append(view_texts(spark, f"{database}.customers_history"))
@@ -289,7 +289,7 @@ def test_results_name_views_keys_and_skipped_tables(built):
 
 
 def test_column_rules_list_every_silver_column_with_its_rule(built):
-    rows = masking.column_rules(built["spark"], built["conf"], built["policy"], tables=[TABLE, "bank.accounts"])
+    rows = masking.column_rules(built["conf"], built["spark"], built["policy"], tables=[TABLE, "bank.accounts"])
     rules = {row["column"]: (row["rule"], row["listed"]) for row in rows}
     assert [row["column"] for row in rows][:3] == ["customer_id", "customer_uuid", "first_name"]
     assert rules["email"] == ("partial", True) and rules["middle_name"] == ("null", True)
@@ -302,7 +302,7 @@ def test_create_views_refuses_a_policy_column_the_table_lacks(built):
     policy = copy.deepcopy(built["policy"])
     policy["tables"][TABLE]["emial"] = "keep"
     with pytest.raises(masking.MaskingError, match="bank.customers.emial"):
-        masking.create_views(built["spark"], built["conf"], policy, tables=[TABLE])
+        masking.create_views(built["conf"], built["spark"], policy, tables=[TABLE])
 
 
 COLUMNS = {TABLE: {"customer_id": "bigint", "email": "string", "risk_score": "decimal(5,2)"}}
@@ -350,4 +350,4 @@ def test_the_analysts_schema_holds_masked_views_only(built):
 def test_privileged_views_may_not_share_the_analysts_schema(built):
     policy = {**built["policy"], "privileged_database": built["database"]}
     with pytest.raises(masking.MaskingError, match="must live where analysts have no grant"):
-        masking.create_views(built["spark"], built["conf"], policy, tables=[TABLE])
+        masking.create_views(built["conf"], built["spark"], policy, tables=[TABLE])

@@ -148,7 +148,7 @@ def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_c
     spec = lake_paths.table_specs(conf)[0]
     bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec))
     assert bronze.count() == bronze.select("_kafka_partition", "_kafka_offset").distinct().count() == capture.sent
-    silver = {r["id"]: r for r in browse.silver(spark, conf, "mstream.accounts", include_deleted=True).collect()}
+    silver = {r["id"]: r for r in browse.silver(conf, spark, "mstream.accounts", include_deleted=True).collect()}
     assert sorted(k for k, r in silver.items() if not r["_deleted"]) == sorted(after)
     assert all(silver[k]["_deleted"] and silver[k]["_op"] == "d" for k in range(11, 16))
 

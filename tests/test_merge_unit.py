@@ -259,13 +259,13 @@ def _versions(spark, conf) -> dict:
 
 def _silver_rows(spark, conf) -> dict:
     """Every silver table's rows, every column, sorted."""
-    return {spec.qualified: sorted(map(str, browse.silver(spark, conf, spec.qualified, include_deleted=True).collect()))
+    return {spec.qualified: sorted(map(str, browse.silver(conf, spark, spec.qualified, include_deleted=True).collect()))
             for spec in lake_paths.table_specs(conf)}
 
 
 def _rows(spark, conf, table) -> dict:
     """Every silver row (deleted ones too) by id."""
-    return {r["id"]: r.asDict() for r in browse.silver(spark, conf, f"unit.{table}", include_deleted=True).collect()}
+    return {r["id"]: r.asDict() for r in browse.silver(conf, spark, f"unit.{table}", include_deleted=True).collect()}
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ def test_order_duplicates_and_toast_inside_one_batch(items):
 
 
 def test_typed_columns_come_out_with_spark_types(run, items):
-    schema = browse.silver(run["spark"], run["conf"], "unit.items").schema
+    schema = browse.silver(run["conf"], run["spark"], "unit.items").schema
     types = {f.name: f.dataType for f in schema.fields}
     assert types["amount"] == T.DecimalType(14, 2)
     assert types["paid_at"] == T.TimestampType() and types["local_at"] == T.TimestampNTZType()
@@ -339,7 +339,7 @@ def test_truncate_from_the_control_topic(run):
 
 
 def test_poison_goes_to_the_dead_letter_table_and_good_rows_still_merge(run, items):
-    counts = {(r["reason"]): r["messages"] for r in browse.dead_letter_counts(run["spark"], run["conf"]).collect()}
+    counts = {(r["reason"]): r["messages"] for r in browse.dead_letter_counts(run["conf"], run["spark"]).collect()}
     assert counts == {"not_framed": 3, "unknown_schema_id": 1, "undecodable": 1, "null_key": 1}
     assert run["stats"][0]["dead_letters"] == counts
     dead = run["spark"].read.format("delta").load(lake_paths.dead_letter_path(run["conf"])) \
@@ -363,25 +363,25 @@ def test_a_retried_batch_appends_nothing_and_changes_no_silver_row(run):
 
 
 def test_summary_and_cleanup_of_old_tombstones(run):
-    summary = {r["table"]: r for r in browse.summary(run["spark"], run["conf"]).collect()}
+    summary = {r["table"]: r for r in browse.summary(run["conf"], run["spark"]).collect()}
     assert summary["unit.items"]["silver_rows"] == 5 and summary["unit.items"]["deleted_rows"] == 4
     assert summary["unit.trunc"]["last_lsn"] == "0/1E"
-    assert silver_table.cleanup_tombstones(run["spark"], run["conf"])["unit.items"] == 0  # younger than 168 h
-    removed = silver_table.cleanup_tombstones(run["spark"], run["conf"], retention_hours=0)
+    assert silver_table.cleanup_tombstones(run["conf"], run["spark"])["unit.items"] == 0  # younger than 168 h
+    removed = silver_table.cleanup_tombstones(run["conf"], run["spark"], retention_hours=0)
     assert removed == {"unit.items": 4, "unit.evolve": 0, "unit.trunc": 2}
 
 
 def test_key_history_lists_one_keys_events_in_arrival_order_with_positions(run):
-    one = browse.key_history(run["spark"], run["conf"], "unit.items", {"id": 1}).collect()
+    one = browse.key_history(run["conf"], run["spark"], "unit.items", {"id": 1}).collect()
     assert [(r["op"], r["commit_lsn"], r["batch"]) for r in one] == [("u", 111, 0), ("r", 100, 0), ("u", 110, 0),
                                                                       ("u", 105, 1)]
     assert one[0]["after"]["name"] == "one-c" and one[0]["lsn"] == "0/6F" and one[1]["position"] == "(0/64, -1)"
-    four = browse.key_history(run["spark"], run["conf"], "items", {"id": 4}).collect()
+    four = browse.key_history(run["conf"], run["spark"], "items", {"id": 4}).collect()
     assert [(r["op"], r["commit_lsn"], r["tombstone"]) for r in four] == [("c", 140, False), ("d", 141, False),
                                                                           (None, None, True), (None, None, True)]
     assert four[2]["position"] is None and four[2]["tx_id"] is None
     with pytest.raises(lake_paths.MergeError, match=r"key of unit.items is \(id\), not \(name\)"):
-        browse.key_history(run["spark"], run["conf"], "unit.items", {"name": "x"})
+        browse.key_history(run["conf"], run["spark"], "unit.items", {"name": "x"})
 
 
 def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_one_finishes(run):
@@ -533,11 +533,11 @@ def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, s
                         micro_batch.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
     assert _rows(spark_session, conf, "items")[321]["name"] == "first"
     _register(later, registry, schema_id)
-    result = merge.replay_dead_letters(spark_session, conf)
+    result = merge.replay_dead_letters(conf, spark_session)
     assert (result["replayed"], result["still_dead"]) == (1, 1)
     row = _rows(spark_session, conf, "items")[321]
     assert (row["name"], row["late_b"], row["_commit_lsn"]) == ("second", "y", 3210)
     left = spark_session.read.format("delta").load(lake_paths.dead_letter_path(conf)).collect()
     assert [(r["offset"], r["reason"]) for r in left] == [(2, "undecodable")]
-    again = merge.replay_dead_letters(spark_session, conf)  # nothing new decodes: silver and the letters unchanged
+    again = merge.replay_dead_letters(conf, spark_session)  # nothing new decodes: silver and the letters unchanged
     assert again["replayed"] == 0 and _rows(spark_session, conf, "items")[321]["_commit_lsn"] == 3210

@@ -61,7 +61,7 @@ def test_a_quoted_mixed_case_table_with_a_quote_in_a_column_goes_end_to_end(smal
     tag = uuid.uuid4().hex[:6]
     policy = {"database": f"names_v_{tag}", "privileged_database": f"names_p_{tag}", "default": "drop",
               "tables": {f'{src.schema}."My Table"': {"id": "keep", "it_s": "redact"}}}  # silver: Avro names
-    built = masking.create_views(spark_session, conf, policy)
+    built = masking.create_views(conf, spark_session, policy)
     assert sorted((r["kind"], r["status"]) for r in built) == [("clean", "created")] * 2 + [
         ("full", "created")] * 2 + [("history", "created")] * 2
     clean = spark_session.table(f"names_v_{tag}.my_table_clean").orderBy("id").collect()

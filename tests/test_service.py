@@ -230,7 +230,7 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     assert len(results) == len(config.get(conf, "source.tables"))
     assert all(r["equal"] for r in results), [(r["table"], r["source_rows"], r["silver_rows"], r["differences"])
                                               for r in results if not r["equal"]]
-    merged = browse.summary(spark_session, conf).collect()
+    merged = browse.summary(conf, spark_session).collect()
     assert sum(r["bronze_events"] for r in merged) > sum(r["source_rows"] for r in results)
     assert_bronze_complete(conf, spark_session)
     changes = source_audit.finish(conf)
@@ -271,7 +271,7 @@ def topic_messages(conf: dict) -> dict[str, int]:
 def assert_bronze_complete(conf: dict, spark) -> None:
     """Bronze holds every Kafka message of every table topic exactly once (a killed merge's retried batch added
     none twice); nothing was dead-lettered."""
-    dead = browse.dead_letter_counts(spark, conf).collect()
+    dead = browse.dead_letter_counts(conf, spark).collect()
     assert not dead, f"dead letters: {[r.asDict() for r in dead]}"
     frames = [spark.read.format("delta").load(lake_paths.bronze_path(conf, spec)).select(
         F.lit(spec.qualified).alias("t"), F.struct("_kafka_topic", "_kafka_partition", "_kafka_offset").alias("at"))

@@ -405,7 +405,7 @@ def test_big_tables_are_read_in_partitions_that_all_import_the_snapshot(snap_con
                 cur.execute(sql.SQL("INSERT INTO {} SELECT * FROM extra; DROP TABLE extra").format(
                     sql.Identifier(table.schema, table.name)))
             admin.commit()
-            rows, _ = snapshot_read.read_table(spark_session, snap_conf, table, name, plan)
+            rows, _ = snapshot_read.read_table(snap_conf, spark_session, table, name, plan)
             assert rows.count() == plan["rows"]
             assert rows.rdd.getNumPartitions() == plan["partitions"]
             probe = _probe(spark_session, snap_conf, table, name, plan)
@@ -534,7 +534,7 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
     prefix = "cdc-test-types"
     key_schema, value_schema = avro_schemas.key_schema(table, prefix), avro_schemas.value_schema(table, prefix)
     with exported_snapshot(snap_conf) as name:
-        rows, fields = snapshot_read.read_table(spark_session, snap_conf, table, name, {"rows": 4, "partitions": 1})
+        rows, fields = snapshot_read.read_table(snap_conf, spark_session, table, name, {"rows": 4, "partitions": 1})
         encoded = snapshot_write.encode(rows, table, snap_conf, key_schema, value_schema, 7, 8, 12345, 1000, fields)
         messages = encoded.collect()
     conn = raw_text_connection(snap_conf)
@@ -567,7 +567,7 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
 
 def test_multi_dimensional_array_fails_naming_the_column(snap_conf, every_type, spark_session):
     with exported_snapshot(snap_conf) as name:
-        rows, _ = snapshot_read.read_table(spark_session, snap_conf, every_type["snaptypes.multi"], name,
+        rows, _ = snapshot_read.read_table(snap_conf, spark_session, every_type["snaptypes.multi"], name,
                                       {"rows": 2, "partitions": 1})
         with pytest.raises(Exception) as failure:
             rows.collect()

@@ -35,7 +35,7 @@ session = spark_lib.from_conf(conf)
 for layer in ("silver", "bronze"):
     frame = session.createDataFrame([tuple(row) for row in job[layer]], job[layer + "_ddl"])
     frame.write.format("delta").save(masking.lake_path(conf, layer, table))
-results = masking.create_views(session, conf, job["policy"], tables=[table])
+results = masking.create_views(conf, session, job["policy"], tables=[table])
 print(json.dumps({"results": results}, default=str))
 """
 
@@ -64,15 +64,15 @@ out = {"catalog": session.conf.get("spark.sql.catalogImplementation"),
        "listed_private": sorted(t.name for t in session.catalog.listTables(private)),
        "kept": {view: rows(view) for view in ("customers_clean", "customers_full", "customers_history")},
        "text": text("customers_clean")}
-out["again"] = masking.create_views(session, conf, policy, tables=[table])
+out["again"] = masking.create_views(conf, session, policy, tables=[table])
 out["again_rows"], out["again_text"] = rows("customers_clean"), text("customers_clean")
-masking.create_views(session, conf, job["policy_redact"], tables=[table])
+masking.create_views(conf, session, job["policy_redact"], tables=[table])
 out["redacted"] = rows("customers_clean")
 extra = session.createDataFrame([tuple(row) for row in job["silver_phone"]], job["silver_phone_ddl"])
 extra.write.format("delta").mode("append").option("mergeSchema", "true").save(masking.lake_path(conf, "silver", table))
-masking.create_views(session, conf, job["policy_redact"], tables=[table])
+masking.create_views(conf, session, job["policy_redact"], tables=[table])
 out["new_column_default"] = {"clean": rows("customers_clean"), "full": rows("customers_full")}
-masking.create_views(session, conf, job["policy_phone"], tables=[table])
+masking.create_views(conf, session, job["policy_phone"], tables=[table])
 out["new_column_listed"] = rows("customers_clean")
 print(json.dumps(out, default=str))
 """

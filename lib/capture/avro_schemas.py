@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import re
 
-from lib import schema_registry
 from lib.capture import pgtypes
 from lib.capture.catalog import CatalogError, Table
 
@@ -177,6 +176,3 @@ def _field(name: str, col, avro, nullable: bool) -> dict:
     return field
 
 
-def schema_fingerprint(schema) -> str:
-    """sha256 (hex) of canonical_json: changes with any field, type, default or property."""
-    return hashlib.sha256(schema_registry.canonical_json(schema).encode()).hexdigest()

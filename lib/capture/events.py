@@ -378,13 +378,6 @@ def tombstone_position(headers) -> tuple[int, int] | None:
     return None
 
 
-def read_event(plan: Plan, tup: tuple, tx: Tx, snapshot: str = "true") -> tuple[dict, dict]:
-    """(key, value) of a snapshot row (op 'r', event_serial -1, commit_lsn = the slot's consistent point in tx)."""
-    converted, unchanged = values(plan, tup)
-    k = dict(zip(plan.key_names, key_values(plan, converted, tup), strict=True))
-    return k, envelope(plan, "r", None, plan.as_dict(converted), unchanged, tx, tx.commit_lsn, -1, snapshot)
-
-
 # ---------------------------------------------------------------------------------------------
 # converters: pgtypes.converter with fast paths for the ISO date/time texts of the capture session
 

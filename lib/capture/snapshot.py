@@ -229,7 +229,7 @@ def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple,
         reporter.track(table.qualified, topic, before, plan["rows"])
         spark.addTag(job["tag"])
         try:
-            rows, fields = snapshot_read.read_table(spark, conf, table, job["snapshot_name"], plan,
+            rows, fields = snapshot_read.read_table(conf, spark, table, job["snapshot_name"], plan,
                                                     job["unknown_types"])
             encoded = snapshot_write.encode(rows, table, conf, key_schema, value_schema, key_id, value_id,
                                             job["consistent_lsn"], job["snapshot_ts_ms"], fields)
@@ -252,7 +252,7 @@ def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple,
         progress(f"snapshot {table.qualified}: {plan['rows']:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s)")
         spark.addTag(job["tag"])
         try:
-            retracted = snapshot_write.retract_stale_keys(spark, conf, table, topic, schemas, fields, earlier, after,
+            retracted = snapshot_write.retract_stale_keys(conf, spark, table, topic, schemas, fields, earlier, after,
                                            job["consistent_lsn"], job["snapshot_ts_ms"])
         except SnapshotError:
             raise

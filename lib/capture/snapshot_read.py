@@ -267,7 +267,7 @@ def jdbc_options(conf: dict, snapshot_name: str) -> dict[str, str]:
     return options
 
 
-def read_table(spark, conf: dict, table: catalog.Table, snapshot_name: str, plan: dict,
+def read_table(conf: dict, spark, table: catalog.Table, snapshot_name: str, plan: dict,
                unknown_types: str = "error"):
     """A DataFrame of the table as of the snapshot: one column per Value field, typed for to_avro."""
     query, fields = select_sql(table, unknown_types)

@@ -113,7 +113,7 @@ def _kafka_options(conf: dict) -> dict[str, str]:
     return {str(k): str(v) for k, v in (config.get(conf, "snapshot.kafka_options", {}) or {}).items()}
 
 
-def retract_stale_keys(spark, conf: dict, table: catalog.Table, topic: str, schemas: tuple, fields: list[dict],
+def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, schemas: tuple, fields: list[dict],
                        earlier: dict[int, int], written: dict[int, int], consistent_lsn: int,
                        snapshot_ts_ms: int) -> int:
     """Delete events (+ tombstones) for keys that earlier messages hold but this snapshot does not; their count.

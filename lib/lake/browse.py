@@ -14,7 +14,7 @@ def _lsn_text(c: Column) -> Column:
     return F.concat(F.upper(F.hex(F.shiftright(c, 32))), F.lit("/"), F.upper(F.hex(c.bitwiseAND(0xFFFFFFFF))))
 
 
-def summary(spark: SparkSession, conf: dict) -> DataFrame:
+def summary(conf: dict, spark: SparkSession) -> DataFrame:
     """Per table: live silver rows, soft-deleted rows, rows with unknown TOAST columns, bronze events, last position."""
     from delta.tables import DeltaTable
 
@@ -40,21 +40,21 @@ def summary(spark: SparkSession, conf: dict) -> DataFrame:
     return result
 
 
-def silver(spark: SparkSession, conf: dict, table: str, include_deleted: bool = False) -> DataFrame:
+def silver(conf: dict, spark: SparkSession, table: str, include_deleted: bool = False) -> DataFrame:
     """A silver table as a DataFrame (live rows only unless include_deleted)."""
     frame = spark.read.format("delta").load(lake_paths.silver_path(conf, lake_paths.table_spec(conf, table)))
     return frame if include_deleted else frame.filter(~F.col("_deleted"))
 
 
-def bronze(spark: SparkSession, conf: dict, table: str) -> DataFrame:
+def bronze(conf: dict, spark: SparkSession, table: str) -> DataFrame:
     """A bronze change log as a DataFrame (every event and tombstone the merge received)."""
     return spark.read.format("delta").load(lake_paths.bronze_path(conf, lake_paths.table_spec(conf, table)))
 
 
-def key_history(spark: SparkSession, conf: dict, table: str, key: dict) -> DataFrame:
+def key_history(conf: dict, spark: SparkSession, table: str, key: dict) -> DataFrame:
     """Bronze events and tombstones of one key (a dict of primary key fields) in the order they arrived,
     each with its source position (commit_lsn, event_serial; ``position`` as text), transaction and commit time."""
-    frame = bronze(spark, conf, table)
+    frame = bronze(conf, spark, table)
     fields = frame.schema["key"].dataType.fieldNames()
     if sorted(key) != sorted(fields):
         raise MergeError(f"key of {table} is ({', '.join(fields)}), not ({', '.join(key)}): pass every key field")
@@ -70,7 +70,7 @@ def key_history(spark: SparkSession, conf: dict, table: str, key: dict) -> DataF
         F.col("_kafka_offset").alias("offset"), F.col("_batch_id").alias("batch"))
 
 
-def dead_letter_counts(spark: SparkSession, conf: dict) -> DataFrame:
+def dead_letter_counts(conf: dict, spark: SparkSession) -> DataFrame:
     """Dead-lettered messages by topic and reason, with the first and last offset of each."""
     from delta.tables import DeltaTable
 

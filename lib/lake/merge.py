@@ -11,7 +11,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from lib import config, control, secrets
 from lib.lake import lake_paths, micro_batch, silver_table
-from lib.lake.lake_paths import MergeError
+from lib.lake.lake_paths import MergeError, query_name
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ DEFAULT_MAX_OFFSETS = 100_000
 # the micro-batch
 
 
-def replay_dead_letters(spark: SparkSession, conf: dict) -> dict:
+def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
     """Merge dead letters again: those that decode now reach bronze and silver (position-guarded, so late is safe)
     and leave the dead-letter table; the others stay there with their (new) reason. Returns the batch's counts."""
     import hashlib
@@ -92,7 +92,7 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     The checkpoint is <lake.root>/_checkpoints/<query name>. Deleting it replays the topics from
     the start (safe: silver only moves forward; bronze gets the events again).
     """
-    name = lake_paths.query_name(conf)
+    name = query_name(conf)
     ctx = micro_batch.context(conf, name, fault=fault)
     ctx.session = spark
     writer = read_stream(conf, spark).writeStream.queryName(name) \
@@ -122,14 +122,14 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, f
 
     lease = control.running_service(conf, "merge")
     if lease is not None:
-        checkpoint = lake_paths.checkpoint_path(conf, lake_paths.query_name(conf))
+        checkpoint = lake_paths.checkpoint_path(conf, query_name(conf))
         raise MergeError(f"the continuous merge of slot {config.get(conf, 'source.slot')} runs "
                          f"({control.describe_lease(lease)}) on checkpoint {checkpoint}, "
                          f"which serves one query: it already merges every change. Stop it first (make stop, or pause "
                          f"the cdc_merge job) to run this step, or skip this step")
     attempts = int(config.get(conf, "merge.restart_attempts", 2))
     history: list[dict] = []
-    name = lake_paths.query_name(conf)
+    name = query_name(conf)
     for attempt in range(attempts + 1):
         query = start(conf, spark, "available_now", fault=fault)
         ctx = query.merge_context
@@ -153,7 +153,7 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, f
             if query.isActive:
                 query.stop()
     if cleanup:
-        silver_table.cleanup_tombstones(spark, conf)
+        silver_table.cleanup_tombstones(conf, spark)
     totals: dict[str, int] = {}
     for batch in history:
         for counts in batch["tables"].values():

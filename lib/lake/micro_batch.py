@@ -160,7 +160,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
                 ctx.truncates_applied[spec.qualified] = cut
         interval = float(config.get(ctx.conf, "merge.cleanup_interval_minutes", DEFAULT_CLEANUP_MINUTES)) * 60
         if interval > 0 and time.monotonic() - ctx.last_cleanup >= interval:
-            silver_table.cleanup_tombstones(spark, ctx.conf)
+            silver_table.cleanup_tombstones(ctx.conf, spark)
             ctx.last_cleanup = time.monotonic()
         stats["seconds"] = round(time.monotonic() - began, 2)
         ctx.history = (ctx.history + [stats])[-100:]
@@ -192,7 +192,7 @@ def _refuse_unknown_ids(ctx: MergeContext, raw: DataFrame, spec: TableSpec, layo
         f"{first['offset']}. The merge stops rather than set those events aside: nothing is lost, and the batch runs "
         f"again on restart. Remedy: bring the registry back to a state that serves the id (a replica that caught "
         f"up, the restored registry storage), or set merge.unknown_schema_ids: dead_letter to let the stream go "
-        f"on and replay the dead letters later with merge.replay_dead_letters(spark, conf)")
+        f"on and replay the dead letters later with merge.replay_dead_letters(conf, spark)")
 
 
 def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:

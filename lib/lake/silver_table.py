@@ -200,7 +200,7 @@ def truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, o
     return bool(spark.read.format("delta").load(path).filter(~F.col("_deleted") & older).limit(1).count())
 
 
-def cleanup_tombstones(spark: SparkSession, conf: dict, retention_hours: float | None = None) -> dict[str, int]:
+def cleanup_tombstones(conf: dict, spark: SparkSession, retention_hours: float | None = None) -> dict[str, int]:
     """Physically delete soft tombstones older than merge.tombstone_retention_hours; rows removed per table.
 
     Careful: after this, an event older than a removed tombstone (a replay from before the delete)

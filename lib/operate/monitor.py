@@ -40,10 +40,6 @@ DEFAULT_WARN_RETAINED_WAL_BYTES = 1 << 30
 FRESH_FACTOR = 3  # a service's last record counts as current for this many metrics intervals
 
 
-class MonitorError(RuntimeError):
-    """A part of the status could not be read; the message names the part and the remedy."""
-
-
 def plot(conf: dict, frame=None, minutes: float | None = None):
     """A matplotlib figure of the history: events/s in and out, slot lag and retained WAL, merge Kafka lag."""
     import matplotlib.pyplot as plt
@@ -190,7 +186,7 @@ def kafka_lag(conf: dict) -> dict[str, dict]:
     return result
 
 
-def merged_positions(spark, conf: dict) -> dict[str, int | None]:
+def merged_positions(conf: dict, spark) -> dict[str, int | None]:
     """The newest source position (commit LSN) in each silver table, from Delta (one Spark job)."""
     from delta.tables import DeltaTable
     from pyspark.sql import functions as F
@@ -324,9 +320,9 @@ def _merge_side(conf: dict, spark, merge_last: dict | None, warnings: list[str])
         from lib.lake import browse  # Spark only when a session is given
 
         try:
-            positions = merged_positions(spark, conf)
+            positions = merged_positions(conf, spark)
             by_topic = {row["topic"]: row["messages"] for row in
-                        browse.dead_letter_counts(spark, conf).groupBy("topic").sum("messages")
+                        browse.dead_letter_counts(conf, spark).groupBy("topic").sum("messages")
                         .withColumnRenamed("sum(messages)", "messages").collect()}
             dead = {spec.qualified: int(by_topic.get(spec.topic, 0)) for spec in lake_paths.table_specs(conf)}
             return positions, dead

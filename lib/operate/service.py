@@ -15,7 +15,6 @@ from pathlib import Path
 from lib import config, control, runtime
 from lib.operate import keeper, metrics, process, workers
 
-SERVICES = ("capture", "merge")
 STOP_TIMEOUT_S = 90.0
 START_CHECK_S = 3.0
 
@@ -170,11 +169,12 @@ def parser() -> argparse.ArgumentParser:
     for name, text in (("start", "start the services in the background (make run)"),
                        ("stop", "stop them (make stop)"), ("status", "state of each service")):
         sub = commands.add_parser(name, help=text)
-        sub.add_argument("services", nargs="*", metavar="SERVICE", help=f"{' and/or '.join(SERVICES)} (default: both)")
-    keeper = commands.add_parser("keep", help="run one service as a child, restarting it when it crashes (what "
-                                              "start launches)")
-    keeper.add_argument("service", choices=metrics.SERVICES)
-    keeper.add_argument("--conf", required=True, help="a conf.json written by start")
+        sub.add_argument("services", nargs="*", metavar="SERVICE",
+                         help=f"{' and/or '.join(metrics.SERVICES)} (default: both)")
+    keep = commands.add_parser("keep", help="run one service as a child, restarting it when it crashes (what "
+                                            "start launches)")
+    keep.add_argument("service", choices=metrics.SERVICES)
+    keep.add_argument("--conf", required=True, help="a conf.json written by start")
     run = commands.add_parser("run", help="run one service in the foreground (what the keeper runs; Databricks jobs)")
     run.add_argument("service", choices=metrics.SERVICES)
     run.add_argument("--target", dest="run_target", default=None, help="conf/<target>.yml")
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
     unknown = [name for name in getattr(args, "services", []) if name not in metrics.SERVICES]
     if unknown:
-        cli.error(f"unknown service {unknown[0]!r}: choose from {', '.join(SERVICES)}")
+        cli.error(f"unknown service {unknown[0]!r}: choose from {', '.join(metrics.SERVICES)}")
     try:
         if args.command == "keep":
             return keeper.keep(args.service, args.conf, log=lambda line: print(line, flush=True))

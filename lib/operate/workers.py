@@ -190,12 +190,12 @@ class _MergeTally:
     """Counts of the merge service's batches since it started, per table, for the metrics history."""
 
     def __init__(self, conf: dict, spark):
-        from lib.lake import merge
+        from lib.lake import browse, lake_paths
 
         self.conf, self.spark = conf, spark
-        self.specs = merge.table_specs(conf)
+        self.specs = lake_paths.table_specs(conf)
         self.events = {s.qualified: 0 for s in self.specs}
-        by_topic = {row["topic"]: row["n"] for row in merge.dead_letter_counts(spark, conf)
+        by_topic = {row["topic"]: row["n"] for row in browse.dead_letter_counts(conf, spark)
                     .groupBy("topic").agg({"messages": "sum"}).withColumnRenamed("sum(messages)", "n").collect()}
         self.dead = {s.qualified: int(by_topic.get(s.topic) or 0) for s in self.specs}
         self.batches = 0
@@ -220,7 +220,7 @@ class _MergeTally:
                 self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
         if fresh or not self.positions:
             try:
-                self.positions = monitor.merged_positions(self.spark, self.conf)
+                self.positions = monitor.merged_positions(self.conf, self.spark)
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop the merge
                 log(f"merge     positions unknown: {exc}")
         record = {"batches": self.batches, "last_batch_id": fresh[-1]["batch_id"] if fresh else None,

@@ -354,7 +354,7 @@ def _read_schema(spark, source: str):
         raise
 
 
-def ensure_key(spark, conf: dict, policy: dict) -> dict:
+def ensure_key(conf: dict, spark, policy: dict) -> dict:
     """Create the key table if needed and store derive_key(salt) in it when it differs; returns what it did."""
     salt = secrets.resolve(policy.get("salt"), setting=f"masking.salt in {conf.get('conf_file', 'conf')}")
     key = derive_key(salt)
@@ -379,7 +379,7 @@ def ensure_key(spark, conf: dict, policy: dict) -> dict:
             "key_id": fingerprint, "location": config.location(location) if location else None}
 
 
-def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
+def create_views(conf: dict, spark, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
     """(Re)create the clean, full and history views of every table; returns one dict per view (and the key).
 
     tables defaults to conf's source.tables; a table whose silver (or bronze) Delta table
@@ -402,7 +402,7 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
         raise MaskingError(f"masking.privileged_database and masking.database are both {database}: the unmasked "
                            f"_full views must live where analysts have no grant; name another schema")
     key_table = policy.get("key_table") or DEFAULT_KEY_TABLE
-    results = [ensure_key(spark, conf, policy)] if uses_hash(policy) else []
+    results = [ensure_key(conf, spark, policy)] if uses_hash(policy) else []
     for schema in (database, private):
         spark.sql(f"CREATE SCHEMA IF NOT EXISTS {quote_name(schema)}")
     where = {"clean": database, "history": database, "full": private}
@@ -429,7 +429,7 @@ def create_views(spark, conf: dict, policy: dict | None = None, tables: Iterable
     return results
 
 
-def column_rules(spark, conf: dict, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
+def column_rules(conf: dict, spark, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
     """Per table and silver column: type, rule, and whether the policy lists it (else the default applies)."""
     policy = load_policy(conf, policy)
     entries = {catalog.qualified(e): e for e in (tables if tables is not None else config.get(conf, "source.tables"))}
