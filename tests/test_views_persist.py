@@ -29,6 +29,8 @@ BRONZE_DDL = (f"key struct<customer_id:long>, op string, before {ROW}, after {RO
 # First driver: silver and bronze as the merge leaves them, then the views.
 BUILD = """
 import json, sys
+from lib import spark as spark_lib
+from lib.views import masking
 job = json.load(sys.stdin)
 conf, table = job["conf"], job["table"]
 session = spark_lib.from_conf(conf)
@@ -42,6 +44,8 @@ print(json.dumps({"results": results}, default=str))
 # Second driver: what the metastore kept, then rebuilds (same policy, changed policy, changed schema).
 REOPEN = """
 import json, sys
+from lib import spark as spark_lib
+from lib.views import masking
 job = json.load(sys.stdin)
 conf, table, policy = job["conf"], job["table"], job["policy"]
 session = spark_lib.from_conf(conf)
