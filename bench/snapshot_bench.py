@@ -156,9 +156,9 @@ def breakdown(conf: dict, spark, log) -> dict:
     try:
         planner = snapshot_slot.snapshot_connection(conf, name)
         try:
-            plan = snapshot_read.plan_partitions(planner, table, int(config.get(conf, "snapshot.partition_rows",
-                                                                           snapshot_read.DEFAULT_PARTITION_ROWS)),
-                                            snapshot_read.DEFAULT_MAX_PARTITIONS, spark.sparkContext.defaultParallelism)
+            plan = snapshot_read.plan_partitions(planner, table, int(config.get(conf, "snapshot.partition_rows")),
+                                                 int(config.get(conf, "snapshot.max_partitions")),
+                                                 spark.sparkContext.defaultParallelism)
         finally:
             planner.close()
         out["rows"], out["partitions"] = plan["rows"], plan["partitions"]

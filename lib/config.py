@@ -77,13 +77,62 @@ def _existing_key(node: dict, key: str) -> str:
     return key.lower()
 
 
+# Every optional setting and its value when conf leaves it out: the one place defaults live.
+# (merge.query_name defaults to merge_<kafka.topic_prefix>: lake_paths.query_name computes it.)
+DEFAULTS: dict[str, object] = {
+    "source.keys": {},  # key columns of tables without a primary key (docs/events.md)
+    "source.unknown_types": "error",  # or "text": capture values of unsupported types as their text
+    "source.spool_dir": None,  # where in-progress streamed transactions are spooled (None: the temp dir)
+    "source.incremental_chunk_rows": 10_000,  # rows per chunk of an incremental snapshot
+    "source.incremental_check_s": 10.0,  # how often the capture looks for incremental snapshot requests
+    "kafka.partitions": 1,
+    "kafka.delete_retention_ms": 7 * 24 * 3600 * 1000,  # how long a tombstone stays before compaction drops it
+    "kafka.producer": None,  # librdkafka settings over the capture's defaults
+    "registry.user": None,
+    "snapshot.fetch_size": 10_000,
+    "snapshot.partition_rows": 250_000,  # rows per Spark partition when a table is split by key range
+    "snapshot.max_partitions": 200,
+    "snapshot.parallel_tables": 4,
+    "snapshot.progress_s": 10.0,
+    "snapshot.jdbc_options": {},
+    "snapshot.kafka_options": {},
+    "merge.max_offsets_per_trigger": 100_000,
+    "merge.parallelism": 4,  # a micro-batch's Delta writes run side by side
+    "merge.tombstone_retention_hours": 168,
+    "merge.cleanup_interval_minutes": 60,
+    "merge.control_timeout_s": 30,
+    "merge.fail_on_data_loss": True,
+    "merge.kafka_options": {},
+    "merge.restart_attempts": 2,
+    "merge.unknown_schema_ids": "fail",  # or "dead_letter"
+    "merge.unknown_schema_wait_s": 30.0,
+    "service.dir": ".stack/pipeline",
+    "service.heartbeat_s": 10,
+    "service.metrics_interval_s": 10,
+    "service.merge_interval": "10 seconds",
+    "service.merge_restarts": 3,
+    "service.max_restarts": 5,
+    "service.restart_window_s": 600.0,
+    "service.restart_backoff_s": 2.0,
+    "service.stop_grace_s": 45.0,  # how long the merge waits for a running micro-batch before stopping
+    "monitor.warn_retained_wal_bytes": 1 << 30,
+    "masking": {},
+    "debezium": {},
+    "spark.app_name": "cdc-pipeline",
+    "spark.jars_dir": None,
+    "spark.settings": {},
+}
+
+
 def get(conf: dict, dotted: str, default=...):
-    """Value at a dotted path like 'kafka.bootstrap_servers'; error names the path and file."""
+    """Value at a dotted path like 'kafka.bootstrap_servers', else its DEFAULTS entry; error names the path and file."""
     node = conf
     for key in dotted.split("."):
         if not isinstance(node, dict) or key not in node:
             if default is not ...:
                 return default
+            if dotted in DEFAULTS:
+                return copy.deepcopy(DEFAULTS[dotted])
             override = ENV_PREFIX + dotted.upper().replace(".", "__")
             raise ConfigError(
                 f"setting {dotted} is missing in {conf.get('conf_file', 'the configuration')}; "

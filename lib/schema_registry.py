@@ -49,7 +49,7 @@ def canonical_json(schema) -> str:
 def client(conf: dict) -> SchemaRegistryClient:
     """A SchemaRegistryClient for registry.url; basic auth only when registry.user/password are in conf."""
     settings = {"url": config.get(conf, "registry.url"), "timeout": 30}
-    user = config.get(conf, "registry.user", None)
+    user = config.get(conf, "registry.user")
     if user is not None:
         name = secrets.setting(conf, "registry.user") if secrets.is_reference(user) else str(user)
         password = secrets.setting(conf, "registry.password")

@@ -34,7 +34,7 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
     user = config.get(conf, user_key)
     database = dbname or config.get(conf, "source.database")
     params = dict(host=host, port=port, user=user, dbname=database, connect_timeout=10,
-                  application_name=config.get(conf, "spark.app_name", "cdc-pipeline"), **options)
+                  application_name=config.get(conf, "spark.app_name"), **options)
     if replication:
         params["connection_factory"] = psycopg2.extras.LogicalReplicationConnection
     try:

@@ -102,7 +102,7 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     catalog="in-memory" leaves the persistent metastore alone (for processes that only use Delta
     paths, such as the merge); one session per process, so the first call decides.
     """
-    settings = resolve_locations(dict(config.get(conf, "spark.settings", {}) or {}))
+    settings = resolve_locations(dict(config.get(conf, "spark.settings") or {}))
     if catalog is not None:
         if catalog not in ("hive", "in-memory"):
             raise ValueError(f"catalog must be 'hive' or 'in-memory', not {catalog!r}")
@@ -110,8 +110,8 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     home = DERBY_HOME_RE.search(settings.get(JAVA_OPTIONS_KEY, ""))
     if home and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         os.makedirs(home.group(1), exist_ok=True)  # derby.log goes there
-    jars_dir = config.get(conf, "spark.jars_dir", None)
-    return session(config.get(conf, "spark.app_name", "cdc-pipeline"),
+    jars_dir = config.get(conf, "spark.jars_dir")
+    return session(config.get(conf, "spark.app_name"),
                    config.location(jars_dir) if jars_dir else None, settings)
 
 

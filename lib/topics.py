@@ -7,7 +7,9 @@ import time
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-SEVEN_DAYS_MS = 7 * 24 * 3600 * 1000
+from lib import config
+
+SEVEN_DAYS_MS = config.DEFAULTS["kafka.delete_retention_ms"]
 
 
 class TopicError(RuntimeError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from lib import config, secrets
@@ -137,3 +139,26 @@ def test_a_secrets_file_others_may_read_is_refused_naming_it_and_the_remedy(conf
     assert "from-file" not in str(error.value)
     file.chmod(0o600)
     assert secrets.setting(conf, "source.password", environ={}, secrets_file=file) == "from-file"
+
+
+def test_a_setting_conf_leaves_out_has_its_one_default(conf_dir):
+    conf = config.load("dev", conf_dir, {})
+    assert config.get(conf, "merge.parallelism") == 4
+    first = config.get(conf, "merge.kafka_options")
+    first["mutated"] = "yes"
+    assert config.get(conf, "merge.kafka_options") == {}  # every caller gets a fresh copy
+    with pytest.raises(config.ConfigError, match="setting merge.not_a_setting is missing"):
+        config.get(conf, "merge.not_a_setting")
+
+
+def test_no_module_repeats_a_default_that_config_holds():
+    """config.get(conf, key, default) for a key in config.DEFAULTS: a second default that could drift."""
+    repeated = []
+    for path in (config.PROJECT_ROOT / "lib").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "config"
+                    and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in config.DEFAULTS):
+                repeated.append(f"{path.name}:{node.lineno} {node.args[1].value}")
+    assert repeated == []

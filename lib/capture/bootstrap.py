@@ -77,11 +77,11 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
     """Every configured table exists, is readable by the pipeline role, has a key and mappable types."""
     names = list(config.get(conf, "source.tables"))
     try:
-        tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys", {}))
+        tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys"))
     except catalog.CatalogError as exc:
         return {}, [Finding("configured tables exist", False, str(exc), "fix source.tables (and source.keys) in conf")]
     findings = []
-    unknown_types = config.get(conf, "source.unknown_types", "error")
+    unknown_types = config.get(conf, "source.unknown_types")
     prefix = config.get(conf, "kafka.topic_prefix")
     with conn.cursor() as cur:
         for name, table in tables.items():
@@ -232,7 +232,7 @@ def ensure_topics(conf: dict, tables: dict[str, catalog.Table]) -> dict[str, str
     admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
     prefix = config.get(conf, "kafka.topic_prefix")
     names = [avro_schemas.topic_name(prefix, t) for t in tables.values()]
-    retention_ms = int(config.get(conf, "kafka.delete_retention_ms", topics.SEVEN_DAYS_MS))
+    retention_ms = int(config.get(conf, "kafka.delete_retention_ms"))
     report = topics.ensure_topics(admin, names, int(config.get(conf, "kafka.partitions")),
                                   delete_retention_ms=retention_ms)
     report[control.topic(conf)] = control.ensure(conf)
@@ -243,7 +243,7 @@ def register_schemas(conf: dict, tables: dict[str, catalog.Table]) -> list[dict]
     """Key and value schema of every table under TopicNameStrategy subjects; one row per subject."""
     client = schema_registry.client(conf)
     prefix = config.get(conf, "kafka.topic_prefix")
-    unknown_types = config.get(conf, "source.unknown_types", "error")
+    unknown_types = config.get(conf, "source.unknown_types")
     rows = []
     for table in tables.values():
         topic = avro_schemas.topic_name(prefix, table)

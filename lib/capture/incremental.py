@@ -43,7 +43,6 @@ from lib.capture.pgoutput import str_to_lsn
 from lib.capture.pgtypes import session_options
 
 WATERMARK_PREFIX = "cdc-chunk"
-DEFAULT_CHUNK_ROWS = 10_000
 
 
 class IncrementalError(RuntimeError):
@@ -75,7 +74,7 @@ def _configured(conf: dict, name: str) -> catalog.Table:
         raise IncrementalError(f"{name} is not in source.tables of {conf.get('conf_file', 'conf')}: add it there "
                                f"first (the capture, merge and views read the table set from conf), then call "
                                f"this again")
-    keys = config.get(conf, "source.keys", {}) or {}
+    keys = config.get(conf, "source.keys") or {}
     conn = source.connect(conf)
     try:
         table = catalog.describe_tables(conn, [name], {name: keys[name]} if name in keys else None)[name]
@@ -105,7 +104,7 @@ def request(conf: dict, table: catalog.Table, reason: str, state: str = "ready")
     chunks start once the state is 'ready', which must be written after the table is published:
     a chunk read before that could miss a change committed between the two.
     """
-    keys = config.get(conf, "source.keys", {}) or {}
+    keys = config.get(conf, "source.keys") or {}
     record = {"table": table.qualified, "state": state, "reason": reason, "last_key": None, "rows": 0,
               "chunks": 0, "key_columns": list(table.primary_key),
               "declared_key": next((keys[n] for n in keys if n in (table.qualified, table.name)), None),

@@ -19,9 +19,6 @@ from lib.capture.catalog import sql_ident
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.snapshot_slot import SnapshotError
 
-DEFAULT_PROGRESS_S = 10.0
-
-
 # ---------------------------------------------------------------------------------------------
 # Kafka side helpers
 
@@ -107,11 +104,11 @@ def run(conf: dict, spark, progress=print, resnapshot: bool = False) -> dict:
     """
     slot = config.get(conf, "source.slot")
     prefix = config.get(conf, "kafka.topic_prefix")
-    unknown_types = config.get(conf, "source.unknown_types", "error")
+    unknown_types = config.get(conf, "source.unknown_types")
     names = list(config.get(conf, "source.tables"))
     conn = source.connect(conf)
     try:
-        tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys", {}))
+        tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys"))
         for table in tables.values():
             catalog.check_capturable(table)
         _require_publication(conn, conf, tables)
@@ -169,8 +166,8 @@ def _plan_all(conf: dict, spark, snapshot_name: str, tables: dict[str, catalog.T
     """Every table's exact row count and partitioning, on a connection that imported the snapshot."""
     planner = snapshot_slot.snapshot_connection(conf, snapshot_name)
     try:
-        rows = int(config.get(conf, "snapshot.partition_rows", snapshot_read.DEFAULT_PARTITION_ROWS))
-        most = int(config.get(conf, "snapshot.max_partitions", snapshot_read.DEFAULT_MAX_PARTITIONS))
+        rows = int(config.get(conf, "snapshot.partition_rows"))
+        most = int(config.get(conf, "snapshot.max_partitions"))
         return {name: snapshot_read.plan_partitions(planner, table, rows, most, _parallelism(spark))
                 for name, table in tables.items()}
     finally:
@@ -188,10 +185,10 @@ def _parallelism(spark) -> int:
 def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:
     """Run _snapshot_table for every table, several at once; the first failure interrupts the others."""
     conf, spark, progress = job["conf"], job["spark"], job["progress"]
-    reporter = _Progress(conf, float(config.get(conf, "snapshot.progress_s", DEFAULT_PROGRESS_S)), progress)
+    reporter = _Progress(conf, float(config.get(conf, "snapshot.progress_s")), progress)
     reporter.start()
     order = sorted(tables, key=lambda n: -plans[n]["rows"])
-    workers = max(1, int(config.get(conf, "snapshot.parallel_tables", 4)))
+    workers = max(1, int(config.get(conf, "snapshot.parallel_tables")))
     stats, failure = {}, None
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cdc-snapshot") as pool:

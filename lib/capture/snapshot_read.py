@@ -11,9 +11,6 @@ from lib.capture import avro_schemas, catalog, pgtypes, snapshot_slot
 from lib.capture.catalog import sql_ident, sql_literal
 from lib.capture.snapshot_slot import SnapshotError
 
-DEFAULT_FETCH_SIZE = 10_000
-DEFAULT_PARTITION_ROWS = 250_000
-DEFAULT_MAX_PARTITIONS = 200
 MIN_SPLIT_ROWS = 10_000  # below this many rows per core a table is not split just to use every core
 SPARK_MAX_PRECISION = 38
 SPLIT_COLUMN = "__cdc_split"
@@ -203,8 +200,8 @@ def _integral(column: catalog.Column) -> bool:
     return t.kind == "base" and t.schema == "pg_catalog" and t.name in _INTEGRAL
 
 
-def plan_partitions(conn, table: catalog.Table, partition_rows: int = DEFAULT_PARTITION_ROWS,
-                    max_partitions: int = DEFAULT_MAX_PARTITIONS, parallelism: int = 1) -> dict:
+def plan_partitions(conn, table: catalog.Table, partition_rows: int = config.DEFAULTS["snapshot.partition_rows"],
+                    max_partitions: int = config.DEFAULTS["snapshot.max_partitions"], parallelism: int = 1) -> dict:
     """Exact row count on conn's snapshot and how to split the read: rows, partitions, bounds or predicates.
 
     A table gets ceil(rows / partition_rows) partitions rounded up to a multiple of
@@ -259,11 +256,11 @@ def jdbc_options(conf: dict, snapshot_name: str) -> dict[str, str]:
         "password": secrets.setting(conf, "source.password"),
         "sessionInitStatement": snapshot_slot.import_snapshot_sql(snapshot_name),
         # > 0 makes Spark's PostgreSQL dialect turn autocommit off, so the driver streams with a cursor
-        "fetchsize": str(int(config.get(conf, "snapshot.fetch_size", DEFAULT_FETCH_SIZE))),
-        "ApplicationName": f"{config.get(conf, 'spark.app_name', 'cdc-pipeline')}-snapshot",
+        "fetchsize": str(int(config.get(conf, "snapshot.fetch_size"))),
+        "ApplicationName": f"{config.get(conf, 'spark.app_name')}-snapshot",
         "tcpKeepAlive": "true",
     }
-    options.update({str(k): str(v) for k, v in (config.get(conf, "snapshot_read.jdbc_options", {}) or {}).items()})
+    options.update({str(k): str(v) for k, v in (config.get(conf, "snapshot.jdbc_options") or {}).items()})
     return options
 
 

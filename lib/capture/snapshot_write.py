@@ -110,7 +110,7 @@ def write(encoded, conf: dict, topic: str) -> None:
 
 
 def _kafka_options(conf: dict) -> dict[str, str]:
-    return {str(k): str(v) for k, v in (config.get(conf, "snapshot.kafka_options", {}) or {}).items()}
+    return {str(k): str(v) for k, v in (config.get(conf, "snapshot.kafka_options") or {}).items()}
 
 
 def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, schemas: tuple, fields: list[dict],

@@ -75,7 +75,7 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
     handlers = _install_signal_handlers(st)
     failure: BaseException | None = None
     try:
-        _open(st, pg_options, spool_dir or config.get(conf, "source.spool_dir", None))
+        _open(st, pg_options, spool_dir or config.get(conf, "source.spool_dir"))
         try:
             _loop(st)
         except psycopg2.Error as exc:
@@ -159,7 +159,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
         cur.execute("SELECT pg_current_wal_lsn()::text")
         st.target = st.server_lsn = str_to_lsn(cur.fetchone()[0])
     names = list(config.get(conf, "source.tables"))
-    declared = config.get(conf, "source.keys", {}) or {}
+    declared = config.get(conf, "source.keys") or {}
     described = catalog.describe_tables(st.sql, names, declared)
     for topic, shared in avro_schemas.shared_topics(st.prefix, described.values()).items():
         raise StreamError(f"tables {' and '.join(shared)} would both write topic {topic} (Kafka topic names allow "
@@ -174,7 +174,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     st.control.catch_up()
     incremental_chunks.check_requests(st)
     st.registry = schema_registry.client(conf)
-    settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer", None) or {}),
+    settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer") or {}),
                 "bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
                 "client.id": f"cdc-stream-{st.slot}"}
     st.producer = Producer(settings)

@@ -6,10 +6,8 @@ import time
 from collections import Counter, deque
 
 from lib import config, control
-from lib.capture import catalog, events, incremental
+from lib.capture import catalog, events
 from lib.capture.pgoutput import Decoder, lsn_to_str
-
-INCREMENTAL_CHECK_S = 10.0  # how often the capture looks for new incremental snapshot requests
 
 
 class StreamError(RuntimeError):
@@ -38,7 +36,7 @@ class State:
         self.publication = config.get(conf, "source.publication")
         self.database = config.get(conf, "source.database")
         self.prefix = config.get(conf, "kafka.topic_prefix")
-        self.unknown_types = config.get(conf, "source.unknown_types", "error")
+        self.unknown_types = config.get(conf, "source.unknown_types")
         self.heartbeat_s = heartbeat_s if heartbeat_s and heartbeat_s > 0 else None
         self.metrics_interval_s = metrics_interval_s
         self.stop_event, self.metrics_callback = stop_event, metrics_callback
@@ -79,9 +77,9 @@ class State:
         self.incremental: list[dict] = []  # requested incremental snapshots (lib.capture.incremental), oldest first
         self.chunk: dict | None = None  # the chunk being read or waiting for its watermark
         self.chunk_seq = self.chunk_failures = 0
-        self.chunk_rows = int(config.get(conf, "source.incremental_chunk_rows", incremental.DEFAULT_CHUNK_ROWS))
+        self.chunk_rows = int(config.get(conf, "source.incremental_chunk_rows"))
         self.last_incremental_check = time.monotonic()
-        self.incremental_check_s = float(config.get(conf, "source.incremental_check_s", INCREMENTAL_CHECK_S))
+        self.incremental_check_s = float(config.get(conf, "source.incremental_check_s"))
         self.chunk_retry_at = 0.0
 
     def metrics(self, interval_s: float | None = None) -> dict:

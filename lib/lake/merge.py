@@ -15,7 +15,6 @@ from lib.lake.lake_paths import MergeError, query_name
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_OFFSETS = 100_000
 
 # ---------------------------------------------------------------------------------------------
 # the micro-batch
@@ -67,10 +66,10 @@ def kafka_options(conf: dict) -> dict[str, str]:
         # (lib.operate.tables add) from its earliest offset (tests/test_incremental.py)
         "startingOffsets": "earliest",
         "includeHeaders": "true",  # a tombstone's position (lib/capture/events.py tombstone_headers)
-        "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger", DEFAULT_MAX_OFFSETS))),
-        "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss", True))).lower(),
+        "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger"))),
+        "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss"))).lower(),
     }
-    for key, value in (config.get(conf, "merge.kafka_options", {}) or {}).items():
+    for key, value in (config.get(conf, "merge.kafka_options") or {}).items():
         name = key if key.startswith("kafka.") or key in ("minPartitions", "fetchOffset.numRetries") else f"kafka.{key}"
         options[name] = secrets.setting(conf, f"merge.kafka_options.{key}") if secrets.is_reference(value) \
             else str(value)
@@ -127,7 +126,7 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, f
                          f"({control.describe_lease(lease)}) on checkpoint {checkpoint}, "
                          f"which serves one query: it already merges every change. Stop it first (make stop, or pause "
                          f"the cdc_merge job) to run this step, or skip this step")
-    attempts = int(config.get(conf, "merge.restart_attempts", 2))
+    attempts = int(config.get(conf, "merge.restart_attempts"))
     history: list[dict] = []
     name = query_name(conf)
     for attempt in range(attempts + 1):

@@ -23,9 +23,19 @@ from lib.lake.writer_schemas import Layout, Schemas
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CLEANUP_MINUTES = 60
-DEFAULT_PARALLELISM = 4
 APPEND_HISTORY_COMMITS = 100  # commits searched for a retried batch's append (bronze, dead letters)
+
+
+@dataclass
+class TableWork:
+    """One table's part of a micro-batch."""
+
+    spec: TableSpec
+    layout: Layout
+    decoded: DataFrame  # the table's records decoded (none when only a truncate is pending)
+    has_rows: bool  # the batch holds records of the table
+    truncate: tuple | None  # the table's latest truncate record (commit_lsn, event_serial, ts_ms)
+    pending_truncate: tuple | None  # that truncate, when silver still holds rows it removes
 
 
 @dataclass
@@ -60,7 +70,7 @@ def context(conf: dict, query: str | None = None, app_id: str | None = None, fau
 def truncates(conf: dict) -> dict[str, tuple[int, int, object]]:
     """Latest truncate per table from the control topic: {'schema.table': (commit_lsn, event_serial, ts_ms)}."""
     found = {}
-    for key, record in control.read_all(conf, timeout=float(config.get(conf, "merge.control_timeout_s", 30))).items():
+    for key, record in control.read_all(conf, timeout=float(config.get(conf, "merge.control_timeout_s"))).items():
         if key.startswith("truncate/") and record.get("commit_lsn") is not None:
             found[key[len("truncate/"):]] = (int(record["commit_lsn"]), int(record.get("event_serial", 0)),
                                              record.get("ts_ms"))
@@ -108,7 +118,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             raise MergeError(f"micro-batch {batch_id} holds topic(s) {', '.join(unknown)}, which are not configured "
                              f"tables' topics; check source.tables and kafka.topic_prefix")
         cuts = truncates(ctx.conf)
-        work = []  # (spec, layout, decoded or None, truncate record or None, pending truncate or None)
+        work: list[TableWork] = []
         for spec in ctx.specs:
             row = present.get(spec.topic)
             cut = cuts.get(spec.qualified)
@@ -125,14 +135,15 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             if row is not None:
                 decoded = decoded.persist()
                 frames.append(decoded)
-            work.append((spec, layout, decoded, row is not None, cut, pending))
-        counts = _counts([(spec.qualified, decoded) for spec, _, decoded, has_rows, _, _ in work if has_rows])
+            work.append(TableWork(spec, layout, decoded, row is not None, cut, pending))
+        counts = _counts([(w.spec.qualified, w.decoded) for w in work if w.has_rows])
         tasks, dead = [], []  # the batch's Delta writes: independent tables, run side by side
-        for spec, layout, decoded, has_rows, cut, pending in work:
+        for w in work:
+            spec, layout, decoded, cut, pending = w.spec, w.layout, w.decoded, w.truncate, w.pending_truncate
             mine = counts.get(spec.qualified, {})
             good = mine.get(None)
             bad = {reason: c["n"] for reason, c in mine.items() if reason is not None}
-            if has_rows:
+            if w.has_rows:
                 stats["tables"][spec.qualified] = {
                     "events": good["n"] - good["tombs"] if good else 0, "tombstones": good["tombs"] if good else 0,
                     "dead_letters": sum(bad.values())}
@@ -146,7 +157,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             if good is not None:
                 tasks.append(functools.partial(_write_bronze, spark, ctx, spec, decoded, app, batch_id, timing))
             source = silver_table.merge_source(decoded, layout, cut[:2] if cut else None,
-                                  toast=good is not None and good["toast"] > 0)
+                                               toast=good is not None and good["toast"] > 0)
             tasks.append(functools.partial(_write_silver, spark, ctx, spec, layout, source, pending, batch_id, timing))
             if pending is not None:
                 stats["tables"].setdefault(spec.qualified, {})["truncated_before"] = list(cut[:2])
@@ -154,11 +165,11 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             poison = functools.reduce(DataFrame.unionByName, dead)
             tasks.append(functools.partial(_write_dead_letters, spark, ctx, poison, app, batch_id,
                                            stats["dead_letters"]))
-        _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism", DEFAULT_PARALLELISM)), spark)
-        for spec, _, _, _, cut, _ in work:
-            if cut is not None:
-                ctx.truncates_applied[spec.qualified] = cut
-        interval = float(config.get(ctx.conf, "merge.cleanup_interval_minutes", DEFAULT_CLEANUP_MINUTES)) * 60
+        _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism")), spark)
+        for w in work:
+            if w.truncate is not None:
+                ctx.truncates_applied[w.spec.qualified] = w.truncate
+        interval = float(config.get(ctx.conf, "merge.cleanup_interval_minutes")) * 60
         if interval > 0 and time.monotonic() - ctx.last_cleanup >= interval:
             silver_table.cleanup_tombstones(ctx.conf, spark)
             ctx.last_cleanup = time.monotonic()
@@ -176,7 +187,7 @@ def _refuse_unknown_ids(ctx: MergeContext, raw: DataFrame, spec: TableSpec, layo
     """Fail the batch when a writer id is not served (merge.unknown_schema_ids: fail, the default)."""
     missing_v = {i for i in value_ids if i is not None} - set(layout.value_ids)
     missing_k = {i for i in key_ids if i is not None} - set(layout.key_ids)
-    if not (missing_v or missing_k) or config.get(ctx.conf, "merge.unknown_schema_ids", "fail") == "dead_letter":
+    if not (missing_v or missing_k) or config.get(ctx.conf, "merge.unknown_schema_ids") == "dead_letter":
         return
     unknown = F.lit(False)
     if missing_v:

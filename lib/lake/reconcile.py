@@ -66,7 +66,7 @@ def canonical(c: Column, dtype: T.DataType) -> Column:
 def source_types(spark: SparkSession, table: catalog.Table, conf: dict) -> T.StructType:
     """Spark types the merge gives the table's columns (from its Avro value schema; no job)."""
     schema = avro_schemas.value_schema(table, config.get(conf, "kafka.topic_prefix"),
-                                       config.get(conf, "source.unknown_types", "error"))
+                                       config.get(conf, "source.unknown_types"))
     frame = spark.range(0).select(from_avro(F.lit(None).cast("binary"), json.dumps(schema)).alias("e"))
     return frame.schema["e"].dataType["after"].dataType
 
@@ -103,7 +103,7 @@ def _source_frame(spark: SparkSession, conn, table: catalog.Table, fields: list[
 
 def declared_keys(conf: dict, specs: list) -> dict[str, list[str]]:
     """source.keys of the given table specs, by their schema.table names."""
-    keys = config.get(conf, "source.keys", {}) or {}
+    keys = config.get(conf, "source.keys") or {}
     names = dict(zip([s.qualified for s in lake_paths.table_specs(conf)], config.get(conf, "source.tables"),
                      strict=True))
     return {s.qualified: keys[names[s.qualified]] for s in specs if names.get(s.qualified) in keys}
@@ -121,7 +121,7 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
     from delta.tables import DeltaTable
 
     specs = [s for s in lake_paths.table_specs(conf) if not tables or s.qualified in tables or s.name in tables]
-    unknown_types = config.get(conf, "source.unknown_types", "error")
+    unknown_types = config.get(conf, "source.unknown_types")
     own, autocommit = conn is None, None
     if own:
         conn = source.connect(conf, dbname=dbname, options=pgtypes.session_options())

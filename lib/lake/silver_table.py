@@ -16,7 +16,6 @@ from lib.lake.writer_schemas import Layout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETENTION_HOURS = 168
 
 
 def merge_source(decoded: DataFrame, layout: Layout, truncate: tuple[int, int] | None, toast: bool) -> DataFrame:
@@ -210,7 +209,7 @@ def cleanup_tombstones(conf: dict, spark: SparkSession, retention_hours: float |
     from delta.tables import DeltaTable
 
     hours = float(retention_hours if retention_hours is not None
-                  else config.get(conf, "merge.tombstone_retention_hours", DEFAULT_RETENTION_HOURS))
+                  else config.get(conf, "merge.tombstone_retention_hours"))
     removed = {}
     for spec in lake_paths.table_specs(conf):
         path = lake_paths.silver_path(conf, spec)

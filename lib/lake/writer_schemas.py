@@ -19,7 +19,6 @@ from lib.lake.lake_paths import META_COLUMNS, MergeError, TableSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_UNKNOWN_SCHEMA_WAIT_S = 30.0
 UNKNOWN_SCHEMA_RECHECK_S = 60.0  # a missing id is asked for again after this long
 
 
@@ -29,7 +28,7 @@ class Schemas:
     def __init__(self, conf: dict, client=None):
         self.client = client or schema_registry.client(conf)
         self.url = config.get(conf, "registry.url", "")
-        self.wait_s = float(config.get(conf, "merge.unknown_schema_wait_s", DEFAULT_UNKNOWN_SCHEMA_WAIT_S))
+        self.wait_s = float(config.get(conf, "merge.unknown_schema_wait_s"))
         self.by_id: dict[int, dict] = {}
         self.missing: dict[int, float] = {}  # id -> when the registry last said 404 (asked again later)
         self.subject_ids: dict[str, list[int]] = {}  # subject -> ids, oldest version first

@@ -20,9 +20,6 @@ from pathlib import Path
 from lib import config
 from lib.operate import metrics, process
 
-DEFAULT_MAX_RESTARTS = 5
-DEFAULT_RESTART_WINDOW_S = 600.0
-DEFAULT_RESTART_BACKOFF_S = 2.0
 MAX_BACKOFF_S = 60.0
 PR_SET_PDEATHSIG = 1
 
@@ -102,9 +99,9 @@ def _last_error_line(log_file: Path, keeper_lines: bool = True) -> str | None:
 
 def restart_policy(conf: dict) -> dict:
     """service.max_restarts, restart_window_s and restart_backoff_s (with defaults)."""
-    return {"max_restarts": int(config.get(conf, "service.max_restarts", DEFAULT_MAX_RESTARTS)),
-            "window_s": float(config.get(conf, "service.restart_window_s", DEFAULT_RESTART_WINDOW_S)),
-            "backoff_s": float(config.get(conf, "service.restart_backoff_s", DEFAULT_RESTART_BACKOFF_S))}
+    return {"max_restarts": int(config.get(conf, "service.max_restarts")),
+            "window_s": float(config.get(conf, "service.restart_window_s")),
+            "backoff_s": float(config.get(conf, "service.restart_backoff_s"))}
 
 
 def load_conf(target: str | None, conf_file: str | None) -> dict:

@@ -20,7 +20,7 @@ MAX_HISTORY_BYTES = 20 << 20  # a metrics file above this is rotated to <name>.1
 
 def service_dir(conf: dict) -> Path:
     """<service.dir>/<slot>: pid files, logs, metrics history and the conf of one pipeline's services."""
-    base = config.get(conf, "service.dir", ".stack/pipeline")
+    base = config.get(conf, "service.dir")
     return config.project_path(base) / str(config.get(conf, "source.slot"))
 
 
@@ -31,7 +31,7 @@ def metrics_path(conf: dict, service: str) -> Path:
 
 def metrics_interval_s(conf: dict) -> float:
     """service.metrics_interval_s (default 10)."""
-    return float(config.get(conf, "service.metrics_interval_s", 10))
+    return float(config.get(conf, "service.metrics_interval_s"))
 
 
 def record(conf: dict, service: str, metrics: dict) -> dict:

@@ -36,7 +36,6 @@ from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.lake import lake_paths
 from lib.operate import keeper, metrics
 
-DEFAULT_WARN_RETAINED_WAL_BYTES = 1 << 30
 FRESH_FACTOR = 3  # a service's last record counts as current for this many metrics intervals
 
 
@@ -55,7 +54,7 @@ def plot(conf: dict, frame=None, minutes: float | None = None):
     axes[0].set_ylabel("events/s")
     axes[1].plot(capture["ts"], capture["lag_bytes"] / 1e6, label="slot lag (not yet in Kafka)")
     axes[1].plot(capture["ts"], capture["retained_wal_bytes"] / 1e6, label="WAL retained by the slot")
-    warn = float(config.get(conf, "monitor.warn_retained_wal_bytes", DEFAULT_WARN_RETAINED_WAL_BYTES))
+    warn = float(config.get(conf, "monitor.warn_retained_wal_bytes"))
     axes[1].axhline(warn / 1e6, color="red", linestyle=":", label="monitor.warn_retained_wal_bytes")
     axes[1].set_ylabel("MB")
     axes[2].plot(merged["ts"], merged["kafka_lag"], label="merge: Kafka messages not yet in Delta")
@@ -281,7 +280,7 @@ def _slot_status(conf: dict, all_slots: bool, capture_running: bool, capture_las
     except Exception as exc:  # noqa: BLE001
         warnings.append(f"slot status unknown: {exc}")
         return []
-    warn = int(config.get(conf, "monitor.warn_retained_wal_bytes", DEFAULT_WARN_RETAINED_WAL_BYTES))
+    warn = int(config.get(conf, "monitor.warn_retained_wal_bytes"))
     if not any(r["slot"] == slot for r in rows):
         warnings.append(f"replication slot {slot} does not exist: nothing is captured; run notebooks 01 and 02 "
                         f"(bootstrap, snapshot) to create it with its snapshot")

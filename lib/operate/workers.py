@@ -16,10 +16,7 @@ import time
 from lib import config, control
 from lib.operate import metrics, monitor
 
-DEFAULT_MERGE_INTERVAL = "10 seconds"
-DEFAULT_MERGE_RESTARTS = 3
 LEASE_INTERVALS, LEASE_SLACK_S = 3, 30.0  # a service's lease outlives a few missed metrics intervals
-STOP_GRACE_S = 45.0  # how long the merge waits for a running micro-batch to finish before stopping
 
 
 class _StopFlag:
@@ -72,7 +69,7 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
     try:
         result = stream.run(conf, until="forever", stop_event=stop_event, max_seconds=max_seconds,
                             metrics_callback=on_metrics, metrics_interval_s=interval,
-                            heartbeat_s=float(config.get(conf, "service.heartbeat_s", 10)),
+                            heartbeat_s=float(config.get(conf, "service.heartbeat_s")),
                             log=log)
         on_metrics(result)
         _drop_lease(conf, "capture")  # a clean stop; after a crash the keeper starts it again, the lease stays
@@ -113,13 +110,13 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     from lib.lake import merge
 
     if spark is None:
-        settings = dict(config.get(conf, "spark.settings", {}) or {})
+        settings = dict(config.get(conf, "spark.settings") or {})
         settings.setdefault("spark.ui.showConsoleProgress", "false")  # progress bars would fill the log
         # the merge only uses Delta paths: an in-memory catalog leaves a local (one-driver) metastore free
         options = {"catalog": "in-memory"} if "catalog" in inspect.signature(spark_lib.from_conf).parameters else {}
         spark = spark_lib.from_conf({**conf, "spark": {**conf.get("spark", {}), "settings": settings}}, **options)
-    interval = str(config.get(conf, "service.merge_interval", DEFAULT_MERGE_INTERVAL))
-    budget = int(config.get(conf, "service.merge_restarts", DEFAULT_MERGE_RESTARTS))
+    interval = str(config.get(conf, "service.merge_interval"))
+    budget = int(config.get(conf, "service.merge_restarts"))
     every = metrics.metrics_interval_s(conf)
     stop = _StopFlag(stop_event)
     deadline = time.monotonic() + max_seconds if max_seconds else None
@@ -146,7 +143,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                         metrics.record(conf, "merge", tally.tick(ctx, log))
                         _renew_lease(conf, "merge", log)
             finally:
-                _stop_query(query, float(config.get(conf, "service.stop_grace_s", STOP_GRACE_S)), log)
+                _stop_query(query, float(config.get(conf, "service.stop_grace_s")), log)
             metrics.record(conf, "merge", tally.tick(ctx, log))
             if stop():
                 _drop_lease(conf, "merge")

@@ -62,7 +62,7 @@ def key_fingerprint(key: str) -> str:
 
 def load_policy(conf: dict, policy: dict | None = None) -> dict:
     """The masking policy: the given dict, else conf's `masking` section (empty = drop everything)."""
-    found = dict((config.get(conf, "masking", {}) if policy is None else policy) or {})
+    found = dict((config.get(conf, "masking") if policy is None else policy) or {})
     if isinstance(found.get("tables"), Mapping):  # keys read like source.tables: quotes, case, default schema
         tables = {}
         for name, columns in found["tables"].items():

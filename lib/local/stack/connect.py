@@ -65,7 +65,7 @@ CONNECTOR_DEFAULTS = {
 
 def settings(conf: dict) -> dict:
     """The ``debezium`` conf section with its defaults filled in."""
-    section = config.get(conf, "debezium", {}) or {}
+    section = config.get(conf, "debezium") or {}
     registry = str(config.get(conf, "registry.url")).rstrip("/")
     return {
         "name": str(section.get("name", "cdc-debezium")),
@@ -124,7 +124,7 @@ def connector_config(conf: dict) -> dict[str, str]:
              "database.dbname": str(config.get(conf, "source.database")),
              "topic.prefix": s["topic_prefix"], "slot.name": s["slot"], "publication.name": s["publication"],
              "table.include.list": include_list(s["tables"]),
-             "topic.creation.default.partitions": str(config.get(conf, "kafka.partitions", 1)),
+             "topic.creation.default.partitions": str(config.get(conf, "kafka.partitions")),
              **converter_settings(s["registry_url"])}
     props.update(s["settings"])
     return props
