@@ -67,7 +67,7 @@ def prepare(log) -> dict:
     conf = bench_env.isolated([TABLE])
     bootstrap.run(conf, log=lambda line: None)
     slot = config.get(conf, "source.slot")
-    repl, consistent, _ = snapshot_slot.create_slot_with_snapshot(conf, progress=lambda line: None)
+    repl, consistent, _ = snapshot_slot.create_slot_with_snapshot(conf, log=lambda line: None)
     repl.close()  # nothing to read: the rows before the slot are not part of this benchmark
     control.put(conf, f"snapshot/{slot}", {"state": "complete", "consistent_lsn": consistent, "rows": {}})
     log(f"setup: database {config.get(conf, 'source.database')}, slot {slot}, topic "

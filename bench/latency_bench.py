@@ -329,7 +329,7 @@ def main(argv=None) -> None:
         spark.sparkContext.setLogLevel("ERROR")
         spark.conf.set("spark.sql.streaming.numRecentProgressUpdates", "10000")
         began = time.monotonic()
-        done = snapshot.run(conf, spark, progress=lambda line: None)
+        done = snapshot.run(conf, spark, log=lambda line: None)
         log(f"snapshot: {done['rows']} rows in {time.monotonic() - began:.1f} s")
         capture = start_capture(conf, folder)
         spent = instrument()

@@ -117,7 +117,7 @@ def snapshot_round(conf: dict, spark, label: str, log) -> dict:
     conf = round_conf(conf, label)
     bootstrap.run(conf, log=lambda line: None)
     began = time.monotonic()
-    result = snapshot.run(conf, spark, progress=lambda line: log(f"  {line}"))
+    result = snapshot.run(conf, spark, log=lambda line: log(f"  {line}"))
     seconds = time.monotonic() - began
     drop_slot(conf)
     return {"seconds": seconds, "rows": result["rows"], "elapsed_s": result["elapsed_s"]}
@@ -151,7 +151,7 @@ def breakdown(conf: dict, spark, log) -> dict:
     value_schema = avro_schemas.value_schema(table, prefix, unknown_types)
     key_id = schema_registry.register(registry, key_subject, key_schema)[0]
     value_id = schema_registry.register(registry, value_subject, value_schema)[0]
-    repl, consistent, name = snapshot_slot.create_slot_with_snapshot(conf, progress=lambda line: None)
+    repl, consistent, name = snapshot_slot.create_slot_with_snapshot(conf, log=lambda line: None)
     out = {}
     try:
         planner = snapshot_slot.snapshot_connection(conf, name)

@@ -93,7 +93,7 @@ def test_chunk_query_reads_after_the_last_key_in_key_order(incr):
 
 
 def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_session):
-    snapshot.run(incr, spark_session, progress=lambda line: None)
+    snapshot.run(incr, spark_session, log=lambda line: None)
     before = merge.run_until_caught_up(incr, spark_session)  # the initial tables: the checkpoint knows their topics
     assert before["batches"] >= 1
     assert {r["table"] for r in browse.summary(incr, spark_session).collect()} == set(config.get(incr, "source.tables"))

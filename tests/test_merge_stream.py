@@ -15,7 +15,7 @@ from psycopg2 import sql
 
 from lib import config, control, schema_registry, topics
 from lib.capture import avro_schemas, catalog, pgtypes
-from lib.lake import browse, lake_paths, merge, reconcile
+from lib.lake import browse, lake_paths, merge, micro_batch, reconcile
 
 pytestmark = pytest.mark.stack
 
@@ -117,7 +117,7 @@ def source_conn(pg_admin_dsn):
     conn.close()
 
 
-def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_conn, spark_session):
+def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_conn, spark_session, monkeypatch):
     conf, spark = stream_conf, spark_session
     table = catalog.describe_tables(source_conn, ["mstream.accounts"])["mstream.accounts"]
     capture = Capture(conf, source_conn, table)
@@ -140,8 +140,10 @@ def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_c
         if stage == "after_bronze" and batch_id == 1:
             raise RuntimeError("simulated crash after the bronze append of batch 1")
 
+    monkeypatch.setattr(micro_batch, "_fire", crash)
     with pytest.raises(Exception, match="simulated crash"):
-        merge.run_until_caught_up(conf, spark, cleanup=False, fault=crash)
+        merge.run_until_caught_up(conf, spark, cleanup=False)
+    monkeypatch.undo()
     done = merge.run_until_caught_up(conf, spark, cleanup=False)  # restarts from the checkpoint: batch 1 again
     assert done["batches"] >= 1 and 0 < done["events"] + done["tombstones"] < capture.sent
 

@@ -144,7 +144,7 @@ def restarted(conf: dict, before: dict[str, int]) -> dict | None:
 
 def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline, spark_session):
     conf, slot = pipeline, config.get(pipeline, "source.slot")
-    done = snapshot.run(conf, spark_session, progress=quiet)
+    done = snapshot.run(conf, spark_session, log=quiet)
     assert done["status"] == "complete"
     lines = []
     first = service.start(conf, log=lines.append)

@@ -292,7 +292,7 @@ def first_run(snap_conf, spark_session):
             conn.close()
 
     try:
-        report = snapshot.run(snap_conf, spark_session, progress=progress)
+        report = snapshot.run(snap_conf, spark_session, log=progress)
     finally:
         thread.join()
         writer.close()
@@ -589,14 +589,14 @@ def test_failed_snapshot_restarts_cleanly_and_a_complete_one_is_not_repeated(sna
     control.put(conf, f"snapshot/{slot}", {"state": "running", "consistent_lsn": aborted_lsn})
     repl.close()
     lines: list[str] = []
-    report = snapshot.run(conf, spark_session, progress=lines.append)
+    report = snapshot.run(conf, spark_session, log=lines.append)
     assert report["status"] == "complete" and report["consistent_lsn"] > aborted_lsn
     assert any("dropping it and taking a new snapshot" in line for line in lines)
     assert control.snapshot_state(conf, slot)["state"] == "complete"
     messages = len(read_topic(conf, topic))
     assert messages == report["tables"]["bank.accounts"] > 0
 
-    again = snapshot.run(conf, spark_session, progress=lines.append)
+    again = snapshot.run(conf, spark_session, log=lines.append)
     assert again["already_complete"] and again["consistent_lsn"] == report["consistent_lsn"]
     assert len(read_topic(conf, topic)) == messages
 
@@ -606,13 +606,13 @@ def test_failed_snapshot_restarts_cleanly_and_a_complete_one_is_not_repeated(sna
             raise RuntimeError("simulated failure")
 
     with pytest.raises(RuntimeError, match="simulated failure"):
-        snapshot.run(conf, spark_session, progress=fail_on_accounts, resnapshot=True)
+        snapshot.run(conf, spark_session, log=fail_on_accounts, resnapshot=True)
     state = control.snapshot_state(conf, slot)
     assert state["state"] == "running" and "simulated failure" in state["error"]
     conn = source.connect(conf)
     assert snapshot_slot.slot_info(conn, slot) is None
     conn.close()
-    final = snapshot.run(conf, spark_session, progress=lines.append)
+    final = snapshot.run(conf, spark_session, log=lines.append)
     assert final["status"] == "complete" and final["consistent_lsn"] > report["consistent_lsn"]
     assert control.snapshot_state(conf, slot)["state"] == "complete"
 
@@ -634,12 +634,12 @@ def test_keys_deleted_since_an_earlier_attempt_are_retracted(snap_conf, spark_se
             raise RuntimeError("simulated failure after the rows were written")
 
     with pytest.raises(RuntimeError, match="simulated failure"):
-        snapshot.run(conf, spark_session, progress=fail_after_branches)
+        snapshot.run(conf, spark_session, log=fail_after_branches)
     earlier = read_topic(conf, topic)
     with admin.cursor() as cur:
         cur.execute("DELETE FROM bank.branches WHERE branch_code = 'ZZ-01'")
     admin.close()
-    report = snapshot.run(conf, spark_session, progress=lambda line: None)
+    report = snapshot.run(conf, spark_session, log=lambda line: None)
     assert report["stats"]["bank.branches"]["retracted"] == 1
     assert control.snapshot_state(conf, slot)["state"] == "complete"
 
@@ -683,7 +683,7 @@ def test_slot_with_another_plugin_is_refused_naming_it(snap_conf, spark_session)
             expected = f"slot {slot} exists as a physical slot"
     try:
         with pytest.raises(snapshot_slot.SnapshotError, match=expected):
-            snapshot.run(conf, spark_session, progress=lambda line: None)
+            snapshot.run(conf, spark_session, log=lambda line: None)
     finally:
         with conn.cursor() as cur:
             cur.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
@@ -702,6 +702,6 @@ def test_active_slot_of_an_unfinished_snapshot_is_not_dropped(snap_conf, spark_s
             "proto_version": "1", "publication_names": config.get(conf, "source.publication")})
         try:
             with pytest.raises(snapshot_slot.SnapshotError, match=f"replication slot {slot} is in use by process"):
-                snapshot.run(conf, spark_session, progress=lambda line: None)
+                snapshot.run(conf, spark_session, log=lambda line: None)
         finally:
             stream.close()

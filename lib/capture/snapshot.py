@@ -56,9 +56,9 @@ def _require_publication(conn, conf: dict, tables: dict[str, catalog.Table]) -> 
 class _Progress(threading.Thread):
     """Every interval seconds, one line per table being written: rows so far (topic end offsets), rows/s."""
 
-    def __init__(self, conf: dict, interval: float, progress):
+    def __init__(self, conf: dict, interval: float, log):
         super().__init__(daemon=True, name="cdc-snapshot-progress")
-        self.conf, self.interval, self.progress = conf, interval, progress
+        self.conf, self.interval, self.progress = conf, interval, log
         self.active: dict[str, tuple] = {}  # table -> (topic, start offset, expected rows, started)
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -80,7 +80,7 @@ class _Progress(threading.Thread):
                 for table, (topic, start_offset, expected, started) in active.items():
                     try:
                         done = snapshot_write.end_offsets(consumer, topic, timeout=5) - start_offset
-                    except Exception:  # a progress line is not worth failing the snapshot
+                    except Exception:  # a log line is not worth failing the snapshot
                         continue
                     rate = done / max(time.monotonic() - started, 1e-6)
                     share = f" ({100 * done / expected:.0f}%)" if expected else ""
@@ -93,7 +93,7 @@ class _Progress(threading.Thread):
 # The whole snapshot
 
 
-def run(conf: dict, spark, progress=print, resnapshot: bool = False) -> dict:
+def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
     """Slot + exported snapshot, every table read by Spark into its topic, control record 'complete'.
 
     Safe to run again: once complete it does nothing (see create_slot_with_snapshot for the
@@ -125,7 +125,7 @@ def run(conf: dict, spark, progress=print, resnapshot: bool = False) -> dict:
         schemas[name] = (key, value, schema_registry.register(registry, key_subject, key)[0],
                          schema_registry.register(registry, value_subject, value)[0])
 
-    repl, consistent_lsn, snapshot_name = snapshot_slot.create_slot_with_snapshot(conf, progress, resnapshot)
+    repl, consistent_lsn, snapshot_name = snapshot_slot.create_slot_with_snapshot(conf, log, resnapshot)
     if repl is None:
         record = snapshot_slot._snapshot_state(conf, slot)
         return {"status": "complete", "already_complete": True, **record}
@@ -135,20 +135,20 @@ def run(conf: dict, spark, progress=print, resnapshot: bool = False) -> dict:
               "consistent_point": lsn_to_str(consistent_lsn), "snapshot_name": snapshot_name,
               "publication": config.get(conf, "source.publication"), "topic_prefix": prefix,
               "started_at": started_at.isoformat(), "tables": {}}
-    progress(f"snapshot: slot {slot} created at consistent point {record['consistent_point']}, "
+    log(f"snapshot: slot {slot} created at consistent point {record['consistent_point']}, "
              f"snapshot {snapshot_name}")
     job = {"conf": conf, "spark": spark, "snapshot_name": snapshot_name, "consistent_lsn": consistent_lsn,
            "snapshot_ts_ms": int(started_at.timestamp() * 1000), "unknown_types": unknown_types,
-           "progress": progress, "tag": f"cdc-snapshot-{slot}"}
+           "log": log, "tag": f"cdc-snapshot-{slot}"}
     try:
         control.put(conf, f"snapshot/{slot}", record)
         plans = _plan_all(conf, spark, snapshot_name, tables)
         total = sum(p["rows"] for p in plans.values())
-        progress(f"snapshot: {total:,} rows in {len(tables)} table(s): "
+        log(f"snapshot: {total:,} rows in {len(tables)} table(s): "
                  + ", ".join(f"{n} {p['rows']:,} ({p['partitions']} partition(s))" for n, p in plans.items()))
         stats = _write_all(job, tables, topics, schemas, plans)
     except BaseException as exc:
-        _abort(conf, repl, slot, record, exc, progress)
+        _abort(conf, repl, slot, record, exc, log)
         raise
     repl.close()  # every read is done: the exported snapshot is no longer needed
     elapsed = time.monotonic() - started
@@ -157,7 +157,7 @@ def run(conf: dict, spark, progress=print, resnapshot: bool = False) -> dict:
                    "rows": total, "rows_per_s": round(total / elapsed, 1) if elapsed > 0 else None,
                    "partitions": {name: stats[name]["partitions"] for name in tables}})
     control.put(conf, f"snapshot/{slot}", record)
-    progress(f"snapshot: complete, {total:,} rows in {elapsed:.1f} s ({record['rows_per_s']:,} rows/s); "
+    log(f"snapshot: complete, {total:,} rows in {elapsed:.1f} s ({record['rows_per_s']:,} rows/s); "
              f"the stream may start from {record['consistent_point']}")
     return {"status": "complete", "already_complete": False, **record, "stats": stats}
 
@@ -184,8 +184,8 @@ def _parallelism(spark) -> int:
 
 def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:
     """Run _snapshot_table for every table, several at once; the first failure interrupts the others."""
-    conf, spark, progress = job["conf"], job["spark"], job["progress"]
-    reporter = _Progress(conf, float(config.get(conf, "snapshot.progress_s")), progress)
+    conf, spark, log = job["conf"], job["spark"], job["log"]
+    reporter = _Progress(conf, float(config.get(conf, "snapshot.progress_s")), log)
     reporter.start()
     order = sorted(tables, key=lambda n: -plans[n]["rows"])
     workers = max(1, int(config.get(conf, "snapshot.parallel_tables")))
@@ -215,14 +215,14 @@ def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:
 def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple, plan: dict,
                     reporter: _Progress) -> dict:
     """Read, encode and write one table; checks that the topic grew by at least the rows read."""
-    conf, spark, progress = job["conf"], job["spark"], job["progress"]
+    conf, spark, log = job["conf"], job["spark"], job["log"]
     key_schema, value_schema, key_id, value_id = schemas
     consumer = snapshot_write.topic_consumer(conf)
     try:
         earlier = snapshot_write.partition_end_offsets(consumer, topic)
         before = sum(earlier.values())
         started = time.monotonic()
-        progress(f"snapshot {table.qualified}: {plan['rows']:,} rows in {plan['partitions']} partition(s) -> {topic}")
+        log(f"snapshot {table.qualified}: {plan['rows']:,} rows in {plan['partitions']} partition(s) -> {topic}")
         reporter.track(table.qualified, topic, before, plan["rows"])
         spark.addTag(job["tag"])
         try:
@@ -243,10 +243,10 @@ def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple,
             raise SnapshotError(f"snapshot of {table.qualified}: {plan['rows']} rows read but only {written} messages "
                                 f"reached topic {topic}; run the snapshot again")
         if written > plan["rows"]:
-            progress(f"snapshot {table.qualified}: {written - plan['rows']} duplicate message(s) from retried Spark "
+            log(f"snapshot {table.qualified}: {written - plan['rows']} duplicate message(s) from retried Spark "
                      f"tasks (harmless: same key, same position)")
         rate = plan["rows"] / elapsed if elapsed > 0 else 0.0
-        progress(f"snapshot {table.qualified}: {plan['rows']:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s)")
+        log(f"snapshot {table.qualified}: {plan['rows']:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s)")
         spark.addTag(job["tag"])
         try:
             retracted = snapshot_write.retract_stale_keys(conf, spark, table, topic, schemas, fields, earlier, after,
@@ -258,7 +258,7 @@ def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple,
         finally:
             spark.removeTag(job["tag"])
         if retracted:
-            progress(f"snapshot {table.qualified}: {retracted:,} key(s) from earlier messages in {topic} no longer "
+            log(f"snapshot {table.qualified}: {retracted:,} key(s) from earlier messages in {topic} no longer "
                      f"exist: delete events and tombstones written")
     finally:
         consumer.close()
@@ -291,14 +291,14 @@ def _read_failed(table: catalog.Table, exc: Exception) -> SnapshotError:
     return SnapshotError(f"snapshot of table {table.qualified} failed: {reason}; {remedy}")
 
 
-def _abort(conf: dict, repl, slot: str, record: dict, exc: BaseException, progress) -> None:
+def _abort(conf: dict, repl, slot: str, record: dict, exc: BaseException, log) -> None:
     """After a failure: drop the new slot (it would retain WAL) and leave control 'running' with the error."""
     try:
         with repl.cursor() as cur:
             cur.execute(f"DROP_REPLICATION_SLOT {sql_ident(slot)}")
-        progress(f"snapshot: failed, slot {slot} dropped again; run the snapshot again")
+        log(f"snapshot: failed, slot {slot} dropped again; run the snapshot again")
     except Exception:
-        progress(f"snapshot: failed and slot {slot} could not be dropped now; the next run drops it "
+        log(f"snapshot: failed and slot {slot} could not be dropped now; the next run drops it "
                  f"(until then it retains WAL)")
     finally:
         with contextlib.suppress(Exception):

@@ -56,7 +56,7 @@ def _active_slot(info: dict) -> SnapshotError:
         f"(SELECT pg_terminate_backend({info['active_pid']}) if it is a leftover), then run the snapshot again")
 
 
-def create_slot_with_snapshot(conf: dict, progress=print, resnapshot: bool = False):
+def create_slot_with_snapshot(conf: dict, log=print, resnapshot: bool = False):
     """Create the slot with an exported snapshot: (replication_conn, consistent_lsn, snapshot_name).
 
     Keep the returned connection open and idle until every reader imported the snapshot: any
@@ -104,7 +104,7 @@ def create_slot_with_snapshot(conf: dict, progress=print, resnapshot: bool = Fal
                 f"choose another source.slot in {conf.get('conf_file', 'conf')}, or drop the slot "
                 f"(SELECT pg_drop_replication_slot('{slot}')) if nothing else uses it")
         if info is not None and state == "complete" and not resnapshot:
-            progress(f"snapshot: slot {slot} exists and its snapshot is complete (consistent point "
+            log(f"snapshot: slot {slot} exists and its snapshot is complete (consistent point "
                      f"{lsn_to_str(int(record['consistent_lsn']))}): nothing to do")
             return None, int(record["consistent_lsn"]), None
         if info is None and state == "complete" and not resnapshot:
@@ -115,7 +115,7 @@ def create_slot_with_snapshot(conf: dict, progress=print, resnapshot: bool = Fal
         if info is not None:
             reason = "a new snapshot was requested" if resnapshot else (
                 f"its snapshot did not complete (control state {state or 'missing'})")
-            progress(f"snapshot: slot {slot} exists but {reason}: dropping it and taking a new snapshot")
+            log(f"snapshot: slot {slot} exists but {reason}: dropping it and taking a new snapshot")
             drop_slot(check, slot)
     finally:
         check.close()

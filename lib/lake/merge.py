@@ -84,15 +84,14 @@ def read_stream(conf: dict, spark: SparkSession) -> DataFrame:
     return reader.load()
 
 
-def start(conf: dict, spark: SparkSession, trigger: str = "available_now", interval: str = "5 seconds",
-          fault=None):
+def start(conf: dict, spark: SparkSession, trigger: str = "available_now", interval: str = "5 seconds"):
     """Start the merge query: trigger 'available_now' (catch up, then stop) or 'processing_time' (every interval).
 
     The checkpoint is <lake.root>/_checkpoints/<query name>. Deleting it replays the topics from
     the start (safe: silver only moves forward; bronze gets the events again).
     """
     name = query_name(conf)
-    ctx = micro_batch.context(conf, name, fault=fault)
+    ctx = micro_batch.context(conf, name)
     ctx.session = spark
     writer = read_stream(conf, spark).writeStream.queryName(name) \
         .option("checkpointLocation", lake_paths.checkpoint_path(conf, name)) \
@@ -108,7 +107,7 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     return query
 
 
-def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, fault=None) -> dict:
+def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -> dict:
     """Run the merge with availableNow until every topic is caught up; returns batches and counts.
 
     A failing batch raises MergeError naming the batch and the cause (the checkpoint keeps the
@@ -130,7 +129,7 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, f
     history: list[dict] = []
     name = query_name(conf)
     for attempt in range(attempts + 1):
-        query = start(conf, spark, "available_now", fault=fault)
+        query = start(conf, spark, "available_now")
         ctx = query.merge_context
         try:
             query.awaitTermination()

@@ -50,7 +50,6 @@ class MergeContext:
     truncates_applied: dict[str, tuple] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     last_cleanup: float = field(default_factory=time.monotonic)
-    fault: object = None  # tests: fault(stage, batch_id, table) may raise to simulate a crash
     session: SparkSession | None = None  # the session that started the query (knows its id)
     failure: tuple[int, BaseException] | None = None  # the last batch that raised, and why
     ready: dict = field(default_factory=dict)  # Delta path -> what is known of it (schema, has files)
@@ -61,10 +60,10 @@ class MergeContext:
         return next((s for s in self.specs if s.topic == topic), None)
 
 
-def context(conf: dict, query: str | None = None, app_id: str | None = None, fault=None) -> MergeContext:
+def context(conf: dict, query: str | None = None, app_id: str | None = None) -> MergeContext:
     """A MergeContext for conf (start() makes one; tests call process_batch with it directly)."""
     return MergeContext(conf=conf, query=query or lake_paths.query_name(conf), specs=lake_paths.table_specs(conf),
-                        schemas=Schemas(conf), app_id=app_id, fault=fault)
+                        schemas=Schemas(conf), app_id=app_id)
 
 
 def truncates(conf: dict) -> dict[str, tuple[int, int, object]]:
@@ -241,9 +240,8 @@ def _run_all(tasks: list, parallelism: int, spark: SparkSession) -> None:
         raise errors[0]
 
 
-def _fire(ctx: MergeContext, stage: str, batch_id: int, spec: TableSpec) -> None:
-    if ctx.fault is not None:
-        ctx.fault(stage, batch_id, spec.qualified)
+def _fire(stage: str, batch_id: int, table: str) -> None:
+    """Called after each of a batch's Delta writes; nothing here (a test replaces it to crash at that point)."""
 
 
 def _write_bronze(spark: SparkSession, ctx: MergeContext, spec: TableSpec, decoded: DataFrame, app: str,
@@ -257,7 +255,7 @@ def _write_bronze(spark: SparkSession, ctx: MergeContext, spec: TableSpec, decod
         ctx.ready[bronze] = rows.schema
     _append_once(spark, ctx, bronze, rows, f"{app}/{spec.qualified}", batch_id, mergeSchema="true")
     timing.update(bronze_s=round(time.monotonic() - began, 2), bronze_at=time.time())
-    _fire(ctx, "after_bronze", batch_id, spec)
+    _fire("after_bronze", batch_id, spec.qualified)
 
 
 def _write_dead_letters(spark: SparkSession, ctx: MergeContext, frame: DataFrame, app: str, batch_id: int,
@@ -274,7 +272,7 @@ def _write_silver(spark: SparkSession, ctx: MergeContext, spec: TableSpec, layou
     began = time.monotonic()
     silver_table.merge_silver(spark, lake_paths.silver_path(ctx.conf, spec), spec, layout, source, pending, ctx.ready)
     timing.update(silver_s=round(time.monotonic() - began, 2), silver_at=time.time())
-    _fire(ctx, "after_silver", batch_id, spec)
+    _fire("after_silver", batch_id, spec.qualified)
 
 
 def _append_once(spark: SparkSession, ctx: MergeContext, path: str, frame: DataFrame, marker: str, batch_id: int,

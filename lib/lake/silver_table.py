@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
+from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -122,6 +124,91 @@ def _align_columns(spark: SparkSession, table, path: str, spec: TableSpec, row: 
                 f"column with ALTER TABLE; {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
 
 
+@dataclass(frozen=True)
+class Clause:
+    """One WHEN clause of the silver MERGE."""
+
+    kind: str  # "matched update", "not matched insert" or "not matched by source update"
+    condition: str
+    assignments: dict[str, str]
+
+
+_BUILDER = {"matched update": "whenMatchedUpdate", "not matched insert": "whenNotMatchedInsert",
+            "not matched by source update": "whenNotMatchedBySourceUpdate"}
+
+
+def merge_rule(keys: list[str], payload: list[str], filled: bool = True,
+               truncate: tuple[int, int, object] | None = None) -> tuple[str, list[Clause]]:
+    """The silver rule as data: the ON condition and the clauses in order, for target t and source s.
+
+    s holds one row per key (merge_source): its newest event (__kind 'event') or only a tombstone.
+    An event applies when it is newer than the row (position (__lsn, __serial)), a delete keeps the
+    row's values and marks it deleted; a tombstone marks a live row deleted; a new key is inserted.
+    A truncate marks every older live row deleted. An empty table gets the insert clause only.
+    """
+    on = " AND ".join(f"t.{quote(k)} = s.{quote(k)}" for k in keys)
+    newer = ("(s.__lsn > t._commit_lsn OR (s.__lsn = t._commit_lsn AND s.__serial > t._event_serial) "
+             "OR (s.__lsn = t._commit_lsn AND s.__serial = t._event_serial AND t._op = 'tombstone' "
+             "AND s.__op <> 'd'))")
+    is_delete = "s.__op = 'd'"
+    update = {quote(c): f"CASE WHEN {is_delete} OR array_contains(s.__unchanged, '{c}') THEN t.{quote(c)} "
+                        f"ELSE s.{quote(c)} END" for c in payload}
+    update.update({
+        "_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
+        "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END",
+        "_updated_at": "s.__ts",
+        "_unknown_cols": f"CASE WHEN {is_delete} THEN t._unknown_cols ELSE "
+                         "nullif(array_intersect(coalesce(t._unknown_cols, array()), s.__unchanged), array()) END"})
+    insert = {quote(c): f"s.{quote(c)}" for c in keys + payload}
+    insert.update({"_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
+                   "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END", "_updated_at": "s.__ts",
+                   "_unknown_cols": f"CASE WHEN NOT {is_delete} THEN nullif(s.__unchanged, array()) END"})
+    clauses = []
+    if filled:  # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only path
+        clauses += [Clause("matched update", "s.__kind = 'tombstone' AND NOT t._deleted",
+                           {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}),
+                    Clause("matched update", f"s.__kind = 'event' AND {newer}", update)]
+    clauses.append(Clause("not matched insert", "s.__kind = 'event'", insert))
+    if truncate is not None:
+        lsn, serial, ts_ms = truncate
+        clauses.append(Clause(
+            "not matched by source update",
+            f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
+            {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
+             "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"}))
+    return on, clauses
+
+
+def merge_sql(target: str, source: str, keys: list[str], payload: list[str], filled: bool = True,
+              truncate: tuple[int, int, object] | None = None) -> str:
+    """The silver MERGE as one SQL statement (the same rule merge_silver runs through Delta's API)."""
+    on, clauses = merge_rule(keys, payload, filled, truncate)
+    lines = [f"MERGE INTO {target} AS t", f"USING {source} AS s", f"ON {on}"]
+    for clause in clauses:
+        head = f"WHEN {clause.kind.rsplit(' ', 1)[0].upper()} AND {clause.condition} THEN"
+        if clause.kind.endswith("insert"):
+            columns = ", ".join(clause.assignments)
+            values = ",\n    ".join(clause.assignments.values())
+            lines.append(f"{head} INSERT ({columns})\n  VALUES (\n    {values})")
+        else:
+            sets = ",\n    ".join(f"{column} = {value}" for column, value in clause.assignments.items())
+            lines.append(f"{head} UPDATE SET\n    {sets}")
+    return "\n".join(lines)
+
+
+def merge_statement(conf: dict, spark: SparkSession, table: str) -> str:
+    """The MERGE a micro-batch runs into a table's silver table, as SQL to read (its source is one batch)."""
+    from lib import schema_registry
+
+    spec = lake_paths.table_spec(conf, table)
+    key_subject, _ = schema_registry.subjects(spec.topic)
+    key = json.loads(schema_registry.client(conf).get_latest_version(key_subject).schema.schema_str)
+    keys = [f["name"] for f in key["fields"]]
+    silver = spark.read.format("delta").load(lake_paths.silver_path(conf, spec)).schema
+    payload = [f.name for f in silver.fields if f.name not in keys and f.name not in META_COLUMNS]
+    return merge_sql(f"delta.{quote(lake_paths.silver_path(conf, spec))}", "batch", keys, payload)
+
+
 def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
                   truncate: tuple[int, int, object] | None, ready: dict | None = None) -> None:
     """The one MERGE of a table in a micro-batch.
@@ -144,37 +231,11 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
     table = DeltaTable.forPath(spark, path)
     if not known["filled"]:
         known["filled"] = bool(table.detail().select("numFiles").collect()[0][0])
-    on = " AND ".join(f"t.{quote(k)} = s.{quote(k)}" for k in keys)
-    newer = ("(s.__lsn > t._commit_lsn OR (s.__lsn = t._commit_lsn AND s.__serial > t._event_serial) "
-             "OR (s.__lsn = t._commit_lsn AND s.__serial = t._event_serial AND t._op = 'tombstone' "
-             "AND s.__op <> 'd'))")
-    is_delete = "s.__op = 'd'"
-    update = {quote(c): f"CASE WHEN {is_delete} OR array_contains(s.__unchanged, '{c}') THEN t.{quote(c)} "
-                        f"ELSE s.{quote(c)} END" for c in payload}
-    update.update({
-        "_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
-        "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END",
-        "_updated_at": "s.__ts",
-        "_unknown_cols": f"CASE WHEN {is_delete} THEN t._unknown_cols ELSE "
-                         "nullif(array_intersect(coalesce(t._unknown_cols, array()), s.__unchanged), array()) END"})
-    insert = {quote(c): f"s.{quote(c)}" for c in keys + payload}
-    insert.update({"_commit_lsn": "s.__lsn", "_event_serial": "s.__serial", "_op": "s.__op", "_deleted": is_delete,
-                   "_deleted_at": f"CASE WHEN {is_delete} THEN s.__ts END", "_updated_at": "s.__ts",
-                   "_unknown_cols": f"CASE WHEN NOT {is_delete} THEN nullif(s.__unchanged, array()) END"})
+    on, clauses = merge_rule(keys, payload, known["filled"], truncate)
     for attempt in (1, 2):
         builder = table.alias("t").merge(source.alias("s"), on)
-        if known["filled"]:
-            builder = builder.whenMatchedUpdate("s.__kind = 'tombstone' AND NOT t._deleted",
-                                                {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}) \
-                .whenMatchedUpdate(f"s.__kind = 'event' AND {newer}", update)
-        # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only MERGE path
-        builder = builder.whenNotMatchedInsert("s.__kind = 'event'", insert)
-        if truncate is not None:
-            lsn, serial, ts_ms = truncate
-            builder = builder.whenNotMatchedBySourceUpdate(
-                f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
-                {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
-                 "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"})
+        for clause in clauses:
+            builder = getattr(builder, _BUILDER[clause.kind])(clause.condition, clause.assignments)
         try:
             builder.execute()  # "filled" stays as checked: the next batch looks again until the table has files
             return

@@ -1,0 +1,53 @@
+"""The silver rule is one MERGE statement: printed as SQL, it does what the merge does (lib/lake/silver_table.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pyspark.sql import types as T
+
+from lib.lake import silver_table
+
+SILVER = T.StructType([T.StructField("id", T.IntegerType()), T.StructField("name", T.StringType()),
+                       T.StructField("_commit_lsn", T.LongType()), T.StructField("_event_serial", T.LongType()),
+                       T.StructField("_op", T.StringType()), T.StructField("_deleted", T.BooleanType()),
+                       T.StructField("_deleted_at", T.TimestampType()), T.StructField("_updated_at", T.TimestampType()),
+                       T.StructField("_unknown_cols", T.ArrayType(T.StringType()))])
+BATCH = T.StructType([T.StructField("id", T.IntegerType()), T.StructField("name", T.StringType()),
+                      T.StructField("__kind", T.StringType()), T.StructField("__op", T.StringType()),
+                      T.StructField("__lsn", T.LongType()), T.StructField("__serial", T.LongType()),
+                      T.StructField("__ts", T.TimestampType()),
+                      T.StructField("__unchanged", T.ArrayType(T.StringType()))])
+T0, T1 = datetime(2024, 1, 1), datetime(2024, 1, 2)
+
+
+def test_the_printed_merge_runs_and_applies_only_newer_changes(spark_session, tmp_path):
+    path = str(tmp_path / "silver")
+    spark_session.createDataFrame([(1, "one", 10, 0, "c", False, None, T0, None),
+                                   (2, "two", 10, 1, "c", False, None, T0, None),
+                                   (3, "three", 10, 2, "c", False, None, T0, None),
+                                   (4, "four", 30, 0, "u", False, None, T0, None)], SILVER) \
+        .write.format("delta").save(path)
+    spark_session.createDataFrame([(1, "uno", "event", "u", 20, 0, T1, []),  # newer: applied
+                                   (2, None, "event", "d", 20, 1, T1, []),  # a delete keeps the values
+                                   (3, None, "tombstone", None, None, None, T1, None),  # marks the live row deleted
+                                   (4, "old", "event", "u", 20, 2, T1, []),  # older than the row: ignored
+                                   (5, "five", "event", "c", 20, 3, T1, [])], BATCH) \
+        .createOrReplaceTempView("batch")
+    statement = silver_table.merge_sql(f"delta.`{path}`", "batch", ["id"], ["name"])
+    assert statement.startswith(f"MERGE INTO delta.`{path}` AS t\nUSING batch AS s\nON t.`id` = s.`id`")
+    assert statement.count("WHEN MATCHED") == 2 and statement.count("WHEN NOT MATCHED AND") == 1
+    spark_session.sql(statement)
+    rows = {r["id"]: (r["name"], r["_commit_lsn"], r["_op"], r["_deleted"])
+            for r in spark_session.read.format("delta").load(path).collect()}
+    assert rows == {1: ("uno", 20, "u", False), 2: ("two", 20, "d", True), 3: ("three", 10, "tombstone", True),
+                    4: ("four", 30, "u", False), 5: ("five", 20, "c", False)}
+
+
+def test_the_rule_has_the_insert_clause_only_for_an_empty_table_and_a_truncate_clause_when_asked():
+    _, clauses = silver_table.merge_rule(["id"], ["name"], filled=False)
+    assert [c.kind for c in clauses] == ["not matched insert"]
+    _, clauses = silver_table.merge_rule(["id"], ["name"], filled=True, truncate=(50, 2, None))
+    assert [c.kind for c in clauses] == ["matched update", "matched update", "not matched insert",
+                                         "not matched by source update"]
+    assert "t._commit_lsn < 50" in clauses[-1].condition and clauses[-1].assignments["_deleted"] == "true"
