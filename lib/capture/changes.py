@@ -19,15 +19,15 @@ def change(st: State, m, lsn: int) -> None:
     if tx is None:
         raise StreamError(f"{m.kind} message at LSN {lsn_to_str(lsn)} outside a transaction (protocol error); "
                           f"restart the capture")
-    plan = st.plans.get(m.relation_oid) or relations.plan_for(st, m.relation_oid)
+    plan = st.relations.plans.get(m.relation_oid) or relations.plan_for(st, m.relation_oid)
     try:
         pairs, st.serial = events.encoded_events(plan, m, lsn, tx, st.serial)
     except events.EventError as exc:
         raise StreamError(f"{exc} (change at LSN {lsn_to_str(lsn)}, transaction {tx.txid}); the capture stopped "
-                          f"before this transaction and the slot stays at {lsn_to_str(st.acked)}") from exc
+                          f"before this transaction and the slot stays at {lsn_to_str(st.acks.acked)}") from exc
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise StreamError(f"table {plan.qualified}: an event does not fit its Avro schema ({type(exc).__name__}: "
-                          f"{exc}; change at LSN {lsn_to_str(lsn)}); the slot stays at {lsn_to_str(st.acked)}; "
+                          f"{exc}; change at LSN {lsn_to_str(lsn)}); the slot stays at {lsn_to_str(st.acks.acked)}; "
                           f"report this as a bug") from exc
     delivery.produce(st, plan, pairs)
 
@@ -36,21 +36,21 @@ def truncate(st: State, m, lsn: int) -> None:
     """TRUNCATE: one control record per table (it has no key, so it cannot go to the table's topic)."""
     tx = st.tx
     for oid in m.relation_oids:
-        relation = st.relations.get(oid)
+        relation = st.relations.messages.get(oid)
         qualified = f"{relation.namespace}.{relation.name}" if relation else f"relation {oid}"
-        if qualified not in st.topics:
+        if qualified not in st.relations.topics:
             raise StreamError(f"TRUNCATE of {qualified}, which is in publication {st.publication} but not in "
                               f"source.tables; add it there or remove it from the publication")
         record = {"commit_lsn": tx.commit_lsn, "event_serial": st.serial, "ts_ms": tx.commit_ms, "lsn": lsn,
                   "txId": tx.txid, "cascade": m.cascade, "restart_identity": m.restart_identity}
-        if st.chunk is not None and st.chunk["table"] == qualified:
-            st.chunk["truncated"] = tx.commit_lsn
+        if st.chunks.current is not None and st.chunks.current["table"] == qualified:
+            st.chunks.current["truncated"] = tx.commit_lsn
         delivery.keepalive(st, quiet=True)
         try:
             control.put(st.conf, f"truncate/{qualified}", record)
         except control.ControlError as exc:
             raise DeliveryError(f"TRUNCATE of {qualified} could not be recorded: {exc}; the slot stays at "
-                                f"{lsn_to_str(st.acked)}") from exc
+                                f"{lsn_to_str(st.acks.acked)}") from exc
         st.serial += 1
         st.truncates[qualified] += 1
         st.log(f"truncate  {qualified} at commit {lsn_to_str(tx.commit_lsn)} recorded in {control.topic(st.conf)}")

@@ -21,12 +21,12 @@ FLUSH_TIMEOUT_S = 30.0
 def begin(st: State, commit_lsn: int, xid: int, commit_ts) -> None:
     if st.tx is not None:
         raise StreamError(f"transaction {xid} began before transaction {st.tx.txid} ended (protocol error); restart "
-                          f"the capture (it resumes from {lsn_to_str(st.acked)})")
+                          f"the capture (it resumes from {lsn_to_str(st.acks.acked)})")
     commit_ms = int(commit_ts.timestamp() * 1000)
     st.tx = events.Tx(commit_lsn, xid, commit_ms, st.prev_commit, int(time.time() * 1000))
     st.serial = 0
     tracker = [0, None, commit_ms, commit_lsn, None]
-    errors = st.delivery_errors
+    errors = st.acks.delivery_errors
 
     def delivered(err, msg, _t=tracker):
         _t[0] -= 1
@@ -34,7 +34,7 @@ def begin(st: State, commit_lsn: int, xid: int, commit_ts) -> None:
             _t[4] = err
             errors.append((msg.topic(), msg.partition(), err))
 
-    st.inflight.append(tracker)
+    st.acks.inflight.append(tracker)
     st.tracker, st.on_delivery = tracker, delivered
 
 
@@ -49,7 +49,7 @@ def produce(st: State, plan: events.Plan, pairs: list) -> None:
     """Produce wire-format (key, value) pairs; a full producer queue waits, keeping the slot alive."""
     tracker, delivered, produce = st.tracker, st.on_delivery, st.producer.produce
     topic = plan.topic
-    chunk = st.chunk
+    chunk = st.chunks.current
     if chunk is not None and chunk["table"] == plan.qualified:  # streamed changes of the table being snapshotted
         commit_lsn = st.tx.commit_lsn
         chunk["changed"].extend((commit_lsn, k[5:]) for k, _ in pairs)
@@ -70,7 +70,7 @@ def produce(st: State, plan: events.Plan, pairs: list) -> None:
                 tracker[0] -= 1
                 raise DeliveryError(f"cannot produce to topic {topic} (table {plan.qualified}): "
                                     f"{exc.args[0].str()}{_size_remedy(exc.args[0], topic, len(k) + len(v))}; the "
-                                    f"slot stays at {lsn_to_str(st.acked)}") from exc
+                                    f"slot stays at {lsn_to_str(st.acks.acked)}") from exc
         if v.__class__ is list:
             st.tombstones += 1
         else:
@@ -80,25 +80,25 @@ def produce(st: State, plan: events.Plan, pairs: list) -> None:
 
 def advance(st: State) -> None:
     """Acknowledge the end of every leading transaction whose messages Kafka all acknowledged."""
-    inflight = st.inflight
+    inflight = st.acks.inflight
     moved = False
     while inflight:
         t = inflight[0]
         if t[0] or t[1] is None or t[4] is not None:
             break
         inflight.popleft()
-        st.acked = max(st.acked, t[1])
-        st.last_commit_ms = t[2]
+        st.acks.acked = max(st.acks.acked, t[1])
+        st.acks.last_commit_ms = t[2]
         moved = True
     if moved:
-        st.cursor.acknowledge(st.acked)
-    if st.delivery_errors:
-        topic, partition, err = st.delivery_errors[0]
+        st.cursor.acknowledge(st.acks.acked)
+    if st.acks.delivery_errors:
+        topic, partition, err = st.acks.delivery_errors[0]
         raise DeliveryError(
             f"Kafka did not accept an event for topic {topic} partition {partition}: {err.str()} ({err.name()})"
             f"{_size_remedy(err, topic)}, "
             f"after the producer's retries (message.timeout.ms); the capture stopped without acknowledging it: "
-            f"the slot stays at {lsn_to_str(st.acked)} and a restart resends everything after that. Check the "
+            f"the slot stays at {lsn_to_str(st.acks.acked)} and a restart resends everything after that. Check the "
             f"brokers at {config.get(st.conf, 'kafka.bootstrap_servers')} and the topic (notebook 01)")
 
 
@@ -114,17 +114,17 @@ def _size_remedy(err: KafkaError, topic: str, size: int | None = None) -> str:
 
 
 def ack(st: State, lsn: int) -> None:
-    if lsn > st.acked:
-        st.acked = lsn
+    if lsn > st.acks.acked:
+        st.acks.acked = lsn
         st.cursor.acknowledge(lsn)
 
 
 def keepalive(st: State, quiet: bool = False) -> None:
     """Send a status message now and then while the loop is blocked (wal_sender_timeout)."""
     now = time.monotonic()
-    if now - st.last_feedback < KEEPALIVE_S or st.cursor is None:
+    if now - st.acks.last_feedback < KEEPALIVE_S or st.cursor is None:
         return
-    st.last_feedback = now
+    st.acks.last_feedback = now
     try:
         st.cursor.send_status()
     except psycopg2.Error:

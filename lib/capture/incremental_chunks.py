@@ -16,7 +16,7 @@ from lib.capture.stream_state import DeliveryError, State, StreamError
 
 
 def check_requests(st: State, catch_up: bool = False) -> None:
-    """Pick up new incremental snapshot requests from the control topic (a table added live joins st.topics).
+    """Pick up new incremental snapshot requests from the control topic (a table added live joins st.relations.topics).
 
     Reads only what arrived since the last look, without waiting (catch_up: up to the topic's end, a few s).
     """
@@ -25,16 +25,16 @@ def check_requests(st: State, catch_up: bool = False) -> None:
     except control.ControlError as exc:
         st.log(f"incremental cannot read requests: {exc}")
         return
-    queued = {r["table"] for r in st.incremental}
+    queued = {r["table"] for r in st.chunks.requests}
     for record in requests:
         table = record["table"]
-        if table not in st.topics:  # added live: its changes may arrive from now on
-            st.topics[table] = topic_name(st.prefix, _describe(st, table, record.get("declared_key")))
+        if table not in st.relations.topics:  # added live: its changes may arrive from now on
+            st.relations.topics[table] = topic_name(st.prefix, _describe(st, table, record.get("declared_key")))
             if record.get("declared_key"):
-                st.keys[table] = record["declared_key"]
+                st.relations.keys[table] = record["declared_key"]
         if table in queued or record["state"] == "requested":  # 'requested': not published yet, no chunk
             continue
-        st.incremental.append(record)
+        st.chunks.requests.append(record)
         st.log(f"incremental {table}: {record['state']}, resuming after key {record['last_key']}"
                if record.get("last_key") else f"incremental {table}: starting")
 
@@ -53,22 +53,22 @@ def _describe(st: State, qualified: str, declared: list | None) -> catalog.Table
 
 def next_chunk(st: State) -> None:
     """Start reading the next chunk when none is under way; report a chunk that failed."""
-    chunk = st.chunk
+    chunk = st.chunks.current
     if chunk is not None:
         if chunk["error"] is not None and not chunk["thread"].is_alive():
-            st.chunk, st.chunk_failures = None, st.chunk_failures + 1
+            st.chunks.current, st.chunks.failures = None, st.chunks.failures + 1
             reason = f"{type(chunk['error']).__name__}: {str(chunk['error']).strip().splitlines()[0]}"
-            if st.chunk_failures >= 3:
+            if st.chunks.failures >= 3:
                 raise StreamError(f"incremental snapshot of {chunk['table']}: reading a chunk failed 3 times "
                                   f"({reason}); check that a replication slot and a WAL sender are free "
                                   f"(max_replication_slots, max_wal_senders) and that the role may read the table, "
                                   f"then restart the capture")
             st.log(f"incremental {chunk['table']}: reading a chunk failed ({reason}); retrying in 5 s")
-            st.chunk_retry_at = time.monotonic() + 5.0
+            st.chunks.retry_at = time.monotonic() + 5.0
         return
-    if not st.incremental or time.monotonic() < st.chunk_retry_at or st.stop_reason is not None:
+    if not st.chunks.requests or time.monotonic() < st.chunks.retry_at or st.stop_reason is not None:
         return
-    record = st.incremental[0]
+    record = st.chunks.requests[0]
     table = _describe(st, record["table"], record.get("declared_key"))
     plan = events.plan(table, st.prefix, st.database, st.unknown_types)
     key_subject, value_subject = schema_registry.subjects(plan.topic)
@@ -78,10 +78,10 @@ def next_chunk(st: State) -> None:
     except schema_registry.RegistryError as exc:
         raise StreamError(f"incremental snapshot of {table.qualified}: {exc}") from exc
     plan.set_ids(key_id, value_id)
-    st.chunk_seq += 1
-    chunk = {"table": table.qualified, "id": f"{os.getpid()}_{st.chunk_seq}", "plan": plan, "record": record,
+    st.chunks.seq += 1
+    chunk = {"table": table.qualified, "id": f"{os.getpid()}_{st.chunks.seq}", "plan": plan, "record": record,
              "changed": [], "truncated": None, "result": None, "error": None}
-    args = (st.conf, table, list(plan.columns), record.get("last_key"), st.chunk_rows, chunk["id"])
+    args = (st.conf, table, list(plan.columns), record.get("last_key"), st.chunks.rows, chunk["id"])
 
     def read(_chunk=chunk, _args=args):
         try:
@@ -90,7 +90,7 @@ def next_chunk(st: State) -> None:
             _chunk["error"] = exc
 
     chunk["thread"] = threading.Thread(target=read, name=f"cdc-chunk-{chunk['id']}", daemon=True)
-    st.chunk = chunk
+    st.chunks.current = chunk
     chunk["thread"].start()
 
 
@@ -100,14 +100,14 @@ def watermark(st: State, m) -> None:
         mark = json.loads(bytes(m.content).decode())
     except ValueError:
         return
-    chunk = st.chunk
+    chunk = st.chunks.current
     if mark.get("slot") != st.slot or chunk is None or mark.get("chunk") != chunk["id"]:
         return  # another capture's, or one from before a restart (its chunk is read again)
     chunk["thread"].join()
     if chunk["error"] is not None:
         return  # next_chunk reports it
-    st.chunk = None
-    st.chunk_failures = 0
+    st.chunks.current = None
+    st.chunks.failures = 0
     _emit_chunk(st, chunk)
 
 
@@ -130,16 +130,16 @@ def _emit_chunk(st: State, chunk: dict) -> None:
     delivery.produce(st, plan, pairs)
     if st.producer.flush(delivery.FLUSH_TIMEOUT_S):
         raise DeliveryError(f"incremental snapshot of {chunk['table']}: Kafka did not acknowledge a chunk within "
-                            f"{delivery.FLUSH_TIMEOUT_S:.0f} s; the slot stays at {lsn_to_str(st.acked)} and the "
+                            f"{delivery.FLUSH_TIMEOUT_S:.0f} s; the slot stays at {lsn_to_str(st.acks.acked)} and the "
                             f"chunk is read again after a restart")
     delivery.advance(st)
     record.update(state="complete" if result["done"] else "running", last_key=result["last_key"],
                   rows=record.get("rows", 0) + len(pairs), chunks=record.get("chunks", 0) + 1,
                   updated_ms=int(time.time() * 1000))
     control.put(st.conf, incremental.record_key(st.slot, chunk["table"]), record)
-    st.incremental[0] = record
+    st.chunks.requests[0] = record
     if result["done"]:
-        st.incremental.pop(0)
+        st.chunks.requests.pop(0)
     st.log(f"incremental {chunk['table']}: chunk {record['chunks']} sent {len(pairs)} row(s) "
            f"({len(result['rows']) - len(pairs)} newer in the stream), {record['rows']} in all"
            + (", complete" if result["done"] else ""))

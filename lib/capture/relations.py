@@ -23,32 +23,32 @@ from lib.capture.stream_state import SchemaChangeError, State, StreamError
 
 def remember_relation(st: State, m) -> None:
     """A table's (new) shape: the plan is rebuilt at its next change."""
-    st.relations[m.relation_oid] = m
-    st.plans.pop(m.relation_oid, None)
+    st.relations.messages[m.relation_oid] = m
+    st.relations.plans.pop(m.relation_oid, None)
 
 
 def plan_for(st: State, oid: int) -> events.Plan:
     """The plan of a relation's current shape (catalog read and schemas registered on first use)."""
-    relation = st.relations.get(oid)
+    relation = st.relations.messages.get(oid)
     if relation is None:
         raise StreamError(f"change for relation {oid} before its Relation message (protocol error); restart the "
-                          f"capture (it resumes from {lsn_to_str(st.acked)})")
+                          f"capture (it resumes from {lsn_to_str(st.acks.acked)})")
     shape = (relation.namespace, relation.name, relation.replica_identity, relation.columns)
-    plan = st.shapes.get(shape)
+    plan = st.relations.shapes.get(shape)
     if plan is None:
-        plan = st.shapes[shape] = _build_plan(st, relation)
-    st.plans[oid] = plan
+        plan = st.relations.shapes[shape] = _build_plan(st, relation)
+    st.relations.plans[oid] = plan
     return plan
 
 
 def _build_plan(st: State, relation) -> events.Plan:
     qualified = f"{relation.namespace}.{relation.name}"
-    stopped = f"the capture stopped before this change; the slot stays at {lsn_to_str(st.acked)}"
-    if qualified not in st.topics:
+    stopped = f"the capture stopped before this change; the slot stays at {lsn_to_str(st.acks.acked)}"
+    if qualified not in st.relations.topics:
         incremental_chunks.check_requests(st, catch_up=True)  # a table added live is known once its request is read
-    if qualified not in st.topics:
+    if qualified not in st.relations.topics:
         root = _partition_root(st, relation)
-        if root in st.topics:
+        if root in st.relations.topics:
             raise StreamError(
                 f"a change to {qualified}, a partition of {root}, came under the partition's name: publication "
                 f"{st.publication} lacks publish_via_partition_root. Run notebook 01 (bootstrap) again, which sets it, "
@@ -61,7 +61,7 @@ def _build_plan(st: State, relation) -> events.Plan:
     delivery.keepalive(st, quiet=True)  # catalog and registry calls block: keep the walsender's timeout away
     name = catalog.sql_name(relation.namespace, relation.name)
     try:
-        declared = {name: st.keys[qualified]} if qualified in st.keys else None
+        declared = {name: st.relations.keys[qualified]} if qualified in st.relations.keys else None
         table = catalog.describe_tables(st.sql, [name], declared)[name]
         catalog.check_capturable(table)
         table = _match_relation(st, table, relation)
@@ -69,7 +69,8 @@ def _build_plan(st: State, relation) -> events.Plan:
     except (catalog.CatalogError, pgtypes.UnsupportedTypeError, ValueError) as exc:
         raise StreamError(f"{exc}; {stopped}") from exc
     subjects = schema_registry.subjects(plan.topic)
-    previous = _columns(st.tables[qualified]) if qualified in st.tables else _registered_columns(st, subjects[1])
+    known = st.relations.tables.get(qualified)
+    previous = _columns(known) if known is not None else _registered_columns(st, subjects[1])
     _request_backfill(st, table, previous, stopped)  # before the new schema exists: a crash between keeps it
     try:
         key_id, wide_key_id, widened = _key_ids(st, plan, subjects[0], stopped)
@@ -83,11 +84,11 @@ def _build_plan(st: State, relation) -> events.Plan:
         raise StreamError(f"table {qualified}: {exc}; {stopped}") from exc
     delivery.keepalive(st, quiet=True)
     plan.set_ids(key_id, value_id, wide_key_id, widened)
-    st.tables[qualified] = table
+    st.relations.tables[qualified] = table
     entry = {"table": qualified, "subject": subjects[1], "version": version, "id": value_id, "status": status}
     if status == "registered":
         entry["change"] = _describe_change(previous, table)
-    st.schemas.append(entry)
+    st.relations.registered.append(entry)
     st.log(f"schema    {subjects[1]} version {version} ({status})" + (f": {entry['change']}" if "change" in entry
                                                                        else ""))
     return plan

@@ -80,7 +80,8 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
             _loop(st)
         except psycopg2.Error as exc:
             raise StreamError(f"replication from slot {slot} failed: {_pg_message(exc)}; nothing after "
-                              f"{lsn_to_str(st.acked)} was acknowledged: restart the capture to resume there") from exc
+                              f"{lsn_to_str(st.acks.acked)} was acknowledged: restart the capture to resume "
+                              f"there") from exc
     except BaseException as exc:
         failure = exc
         raise
@@ -145,7 +146,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     st.sql = source.connect(conf, options=pgtypes.session_options())
     st.sql.autocommit = True
     slot_row = _wait_for_slot(st)
-    st.start_lsn = st.acked = str_to_lsn(slot_row[3]) if slot_row[3] else 0
+    st.acks.start_lsn = st.acks.acked = str_to_lsn(slot_row[3]) if slot_row[3] else 0
     with st.sql.cursor() as cur:
         cur.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (st.publication,))
         if cur.fetchone() is None:
@@ -157,7 +158,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
             if not cur.fetchone()[0]:
                 raise StreamError(_heartbeat_grant(st))
         cur.execute("SELECT pg_current_wal_lsn()::text")
-        st.target = st.server_lsn = str_to_lsn(cur.fetchone()[0])
+        st.acks.target = st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
     names = list(config.get(conf, "source.tables"))
     declared = config.get(conf, "source.keys") or {}
     described = catalog.describe_tables(st.sql, names, declared)
@@ -166,9 +167,9 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
                           f"only letters, digits, '.', '_' and '-'): rename one, or capture it with another conf")
     for name, table in described.items():
         catalog.check_capturable(table)
-        st.topics[table.qualified] = topic_name(st.prefix, table)
+        st.relations.topics[table.qualified] = topic_name(st.prefix, table)
         if name in declared:
-            st.keys[table.qualified] = declared[name]
+            st.relations.keys[table.qualified] = declared[name]
     _check_topics(st)
     st.control = control.Tail(conf)
     st.control.catch_up()
@@ -190,12 +191,12 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     except psycopg2.Error as exc:
         raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; check that no other "
                           f"capture uses the slot and that publication {st.publication} exists") from exc
-    st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acked)  # psycopg2 reads nothing from here on
+    st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acks.acked)  # psycopg2 reads nothing from here on
     st.cursor.send_status()
-    st.sent_feedback = st.acked
+    st.acks.sent_feedback = st.acks.acked
     _remove_stale_spools(st.slot, spool_dir)  # only now: the slot is ours, no other capture of it runs
-    st.spool_dir = tempfile.mkdtemp(prefix=f"cdc-stream-{st.slot}-", dir=spool_dir)
-    st.log(f"stream    slot {st.slot} from {lsn_to_str(st.acked)}, caught up at {lsn_to_str(st.target)} "
+    st.spools.dir = tempfile.mkdtemp(prefix=f"cdc-stream-{st.slot}-", dir=spool_dir)
+    st.log(f"stream    slot {st.slot} from {lsn_to_str(st.acks.acked)}, caught up at {lsn_to_str(st.acks.target)} "
            f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']})")
 
 
@@ -239,7 +240,7 @@ def _check_topics(st: State) -> None:
     except KafkaException as exc:
         raise StreamError(f"cannot reach Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')}: "
                           f"{exc.args[0].str()}; check kafka.bootstrap_servers and that the brokers run") from exc
-    missing = [f"{t} (table {q})" for q, t in st.topics.items() if t not in existing]
+    missing = [f"{t} (table {q})" for q, t in st.relations.topics.items() if t not in existing]
     if missing:
         raise StreamError(f"topics missing: {', '.join(missing)}; run notebook 01 (bootstrap) to create them")
 
@@ -255,33 +256,33 @@ def _close(st: State, failure: BaseException | None) -> BaseException | None:
             delivery.advance(st)
         except DeliveryError as exc:
             late = exc
-        if (failure is None and late is None and not st.inflight and st.tx is None and not st.spools
+        if (failure is None and late is None and not st.acks.inflight and st.tx is None and not st.spools.files
                 and not st.decoder.in_stream and st.cursor is not None):
             delivery.ack(st, st.cursor.wal_end)  # everything read was delivered: the server's position is safe
         if st.until == "caught_up" and failure is None and late is None:  # only later commits may be unsent
-            st.caught_up = st.stop_reason == "caught_up" and all(t[3] >= st.target for t in st.inflight)
+            st.caught_up = st.stop_reason == "caught_up" and all(t[3] >= st.acks.target for t in st.acks.inflight)
     if st.cursor is not None:
         with contextlib.suppress(psycopg2.Error):
-            st.cursor.acknowledge(st.acked)
+            st.cursor.acknowledge(st.acks.acked)
             st.cursor.send_status()
-            st.sent_feedback = st.acked
+            st.acks.sent_feedback = st.acks.acked
     for conn in (st.repl, st.sql):
         if conn is not None:
             with contextlib.suppress(psycopg2.Error):
                 if conn is st.sql and not conn.closed:
                     with conn.cursor() as cur:
                         cur.execute("SELECT pg_current_wal_lsn()::text")
-                        st.server_lsn = str_to_lsn(cur.fetchone()[0])
+                        st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
                 conn.close()
     if st.control is not None:
         st.control.close()
-    for spool in st.spools.values():
+    for spool in st.spools.files.values():
         with contextlib.suppress(OSError):
             spool[0].close()
-    if st.spool_dir:
-        shutil.rmtree(st.spool_dir, ignore_errors=True)
+    if st.spools.dir:
+        shutil.rmtree(st.spools.dir, ignore_errors=True)
     reason = f"{type(failure).__name__}: {failure}" if failure is not None else st.stop_reason
-    st.log(f"stream    stopped ({reason}); acknowledged {lsn_to_str(st.acked)}")
+    st.log(f"stream    stopped ({reason}); acknowledged {lsn_to_str(st.acks.acked)}")
     return late
 
 
@@ -317,17 +318,17 @@ def _handle(st: State, message: tuple[int, bytes]) -> None:
     data_start, payload = message
     if st.decoder.in_stream and payload[0] in streamed_transactions.SPOOLED:
         try:
-            spool = st.spools[st.stream_xid][0]
+            spool = st.spools.files[st.spools.xid][0]
             spool.write(streamed_transactions.RECORD.pack(data_start, len(payload)))
             spool.write(payload)
         except OSError as exc:
-            raise streamed_transactions.spool_error(st, st.stream_xid, exc) from exc
+            raise streamed_transactions.spool_error(st, st.spools.xid, exc) from exc
         return
     try:
         m = st.decoder.decode(payload)
     except PgOutputError as exc:
         raise StreamError(f"malformed pgoutput message at LSN {lsn_to_str(data_start)}: {exc}; the slot "
-                          f"stays at {lsn_to_str(st.acked)}; report this with the server version") from exc
+                          f"stays at {lsn_to_str(st.acks.acked)}; report this with the server version") from exc
     kind = m.kind
     if kind in "IUD":
         changes.change(st, m, data_start)
@@ -342,7 +343,7 @@ def _handle(st: State, message: tuple[int, bytes]) -> None:
     elif kind == "S":
         streamed_transactions.stream_start(st, m)
     elif kind == "E":
-        st.stream_xid = None
+        st.spools.xid = None
     elif kind == "c":
         streamed_transactions.stream_commit(st, m, _tick)
     elif kind == "A":
@@ -358,9 +359,9 @@ def _idle(st: State) -> None:
     The keepalive's position is safe then: the server sends every transaction committed below it
     before the keepalive itself.
     """
-    if not st.inflight and st.tx is None and not st.spools and not st.decoder.in_stream:
+    if not st.acks.inflight and st.tx is None and not st.spools.files and not st.decoder.in_stream:
         delivery.ack(st, st.cursor.wal_end)
-    if (st.until == "caught_up" and st.heartbeat_s and st.cursor.wal_end < st.target
+    if (st.until == "caught_up" and st.heartbeat_s and st.cursor.wal_end < st.acks.target
             and time.monotonic() - st.last_heartbeat >= 1.0):
         st.last_heartbeat = time.monotonic()  # a record past the target: its message proves we read that far
         _heartbeat(st)
@@ -377,14 +378,14 @@ def _tick(st: State) -> bool:
         st.stop_reason = "max_seconds"
     elif st.until == "caught_up" and _caught_up(st):
         st.stop_reason = "caught_up"
-    if st.acked != st.sent_feedback and now - st.last_feedback >= 1.0:
+    if st.acks.acked != st.acks.sent_feedback and now - st.acks.last_feedback >= 1.0:
         st.cursor.send_status()
-        st.sent_feedback, st.last_feedback = st.acked, now
+        st.acks.sent_feedback, st.acks.last_feedback = st.acks.acked, now
     if st.heartbeat_s and now - st.last_heartbeat >= st.heartbeat_s:
         st.last_heartbeat = now
         _heartbeat(st)
-    if now - st.last_incremental_check >= st.incremental_check_s:
-        st.last_incremental_check = now
+    if now - st.chunks.last_check >= st.chunks.check_s:
+        st.chunks.last_check = now
         incremental_chunks.check_requests(st)
     incremental_chunks.next_chunk(st)
     if now - st.last_metrics >= st.metrics_interval_s:
@@ -399,13 +400,13 @@ def _tick(st: State) -> bool:
 
 def _caught_up(st: State) -> bool:
     """Everything committed before the target position was read, and every requested incremental snapshot done."""
-    if st.incremental or st.chunk is not None:
+    if st.chunks.requests or st.chunks.current is not None:
         return False
-    if st.tx is not None and st.tx.commit_lsn < st.target:
+    if st.tx is not None and st.tx.commit_lsn < st.acks.target:
         return False
-    if st.cursor.wal_end >= st.target:
+    if st.cursor.wal_end >= st.acks.target:
         return True
-    return st.acked >= st.target and st.tx is None and not st.inflight  # nothing was left to send
+    return st.acks.acked >= st.acks.target and st.tx is None and not st.acks.inflight  # nothing was left to send
 
 
 def _heartbeat(st: State) -> None:
@@ -443,7 +444,7 @@ def _server_lsn(st: State) -> None:
     try:
         with st.sql.cursor() as cur:
             cur.execute("SELECT pg_current_wal_lsn()::text")
-            st.server_lsn = str_to_lsn(cur.fetchone()[0])
+            st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
     except psycopg2.Error:
         _reconnect_sql(st)
 

@@ -26,8 +26,57 @@ class DeliveryError(StreamError):
     """Kafka did not accept a message after the producer's retries."""
 
 
+class Acks:
+    """Positions: what Kafka acknowledged, what the slot was told, and each transaction still in flight."""
+
+    def __init__(self) -> None:
+        self.start_lsn = self.acked = self.target = 0  # slot position at start, confirmed now, the catch-up target
+        self.sent_feedback = 0  # the position the server was last told
+        self.last_feedback = time.monotonic()
+        self.server_lsn: int | None = None
+        self.inflight: deque[list] = deque()  # per transaction: [pending, end_lsn, commit_ms, commit_lsn, error]
+        self.delivery_errors: list[tuple] = []
+        self.last_commit_ms: int | None = None  # commit time of the last transaction Kafka acknowledged
+
+
+class Relations:
+    """What the capture knows of the tables: Relation messages, their plans, topics and registered schemas."""
+
+    def __init__(self) -> None:
+        self.topics: dict[str, str] = {}  # configured schema.table -> topic
+        self.keys: dict[str, list[str]] = {}  # schema.table -> key columns declared in source.keys
+        self.messages: dict[int, object] = {}  # relation oid -> latest Relation message
+        self.plans: dict[int, events.Plan] = {}  # relation oid -> plan of its current Relation
+        self.shapes: dict[tuple, events.Plan] = {}  # Relation shape -> plan (a Relation may be resent)
+        self.tables: dict[str, catalog.Table] = {}  # schema.table -> table version of the latest plan
+        self.registered: list[dict] = []  # schema versions registered or found during the run
+
+
+class Spools:
+    """Transactions the server streams while they run, each spooled to a file until it commits or aborts."""
+
+    def __init__(self) -> None:
+        self.dir: str | None = None
+        self.files: dict[int, list] = {}  # top-level xid -> [file, aborted subxids, path]
+        self.xid: int | None = None  # the streamed transaction whose block is being read
+        self.subxact_aborts = 0
+
+
+class Chunks:
+    """Incremental snapshots: the requests, oldest first, and the chunk being read or waiting for its watermark."""
+
+    def __init__(self, conf: dict) -> None:
+        self.requests: list[dict] = []
+        self.current: dict | None = None
+        self.seq = self.failures = 0
+        self.rows = int(config.get(conf, "source.incremental_chunk_rows"))
+        self.check_s = float(config.get(conf, "source.incremental_check_s"))
+        self.last_check = time.monotonic()
+        self.retry_at = 0.0
+
+
 class State:
-    """Everything one capture run holds (connections, producer, positions, counters)."""
+    """One capture run: settings, connections, the transaction being sent and counters, with its parts."""
 
     def __init__(self, conf: dict, until: str, heartbeat_s: float | None, metrics_interval_s: float,
                  max_seconds: float | None, stop_event, metrics_callback, log) -> None:
@@ -45,61 +94,39 @@ class State:
         self.stop_reason: str | None = None
         self.sql = self.repl = self.cursor = self.producer = self.registry = None
         self.control: control.Tail | None = None  # the control topic, read as it grows (incremental requests)
-        self.spool_dir: str | None = None
-        self.topics: dict[str, str] = {}  # configured schema.table -> topic
-        self.keys: dict[str, list[str]] = {}  # schema.table -> key columns declared in source.keys
-        self.relations: dict[int, object] = {}  # relation oid -> latest Relation message
-        self.plans: dict[int, events.Plan] = {}  # relation oid -> plan of its current Relation
-        self.shapes: dict[tuple, events.Plan] = {}  # Relation shape -> plan (a Relation may be resent)
-        self.tables: dict[str, catalog.Table] = {}  # schema.table -> table version of the latest plan
+        self.acks, self.relations, self.spools, self.chunks = Acks(), Relations(), Spools(), Chunks(conf)
         self.decoder = Decoder()
         self.tx: events.Tx | None = None  # the transaction being sent (Begin..Commit, or a replayed stream)
         self.serial = 0
         self.tracker: list | None = None
         self.on_delivery = None
         self.prev_commit: int | None = None
-        self.stream_xid: int | None = None
-        self.spools: dict[int, list] = {}  # top-level xid -> [file, aborted subxids, path]
-        self.inflight: deque[list] = deque()  # per transaction: [pending, end_lsn, commit_ms, commit_lsn, error]
-        self.delivery_errors: list[tuple] = []
-        self.start_lsn = self.acked = self.target = 0
-        self.sent_feedback = 0
-        self.last_feedback = self.last_heartbeat = self.last_metrics = time.monotonic()
-        self.last_commit_ms: int | None = None
+        self.last_heartbeat = self.last_metrics = time.monotonic()
         self.events = self.tombstones = self.transactions = self.heartbeats = self.streamed = 0
-        self.subxact_aborts = 0
         self.per_table: Counter = Counter()
         self.truncates: Counter = Counter()
-        self.schemas: list[dict] = []
         self.interval_events = 0
-        self.server_lsn: int | None = None
         self.caught_up = False
-        self.incremental: list[dict] = []  # requested incremental snapshots (lib.capture.incremental), oldest first
-        self.chunk: dict | None = None  # the chunk being read or waiting for its watermark
-        self.chunk_seq = self.chunk_failures = 0
-        self.chunk_rows = int(config.get(conf, "source.incremental_chunk_rows"))
-        self.last_incremental_check = time.monotonic()
-        self.incremental_check_s = float(config.get(conf, "source.incremental_check_s"))
-        self.chunk_retry_at = 0.0
 
     def metrics(self, interval_s: float | None = None) -> dict:
         """Counters and lag of a run (also what run() returns)."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        server = self.server_lsn
-        caught_up_now = not self.inflight and self.tx is None and (server is None or self.acked >= server)
-        last = self.last_commit_ms
+        acks = self.acks
+        server = acks.server_lsn
+        caught_up_now = not acks.inflight and self.tx is None and (server is None or acks.acked >= server)
+        last = acks.last_commit_ms
         lag_s = 0.0 if caught_up_now or last is None else max(0.0, time.time() - last / 1000)
         result = {
             "slot": self.slot, "until": self.until, "elapsed_s": round(elapsed, 3),
             "events": self.events, "events_per_s": round(self.events / elapsed, 1),
             "events_per_table": dict(sorted(self.per_table.items())), "tombstones": self.tombstones,
             "truncates": dict(sorted(self.truncates.items())), "transactions": self.transactions,
-            "streamed_transactions": self.streamed, "streamed_subtransaction_aborts": self.subxact_aborts,
-            "heartbeats": self.heartbeats, "start_lsn": lsn_to_str(self.start_lsn), "acked_lsn": lsn_to_str(self.acked),
-            "target_lsn": lsn_to_str(self.target), "server_lsn": lsn_to_str(server) if server else None,
-            "lag_bytes": max(0, self.server_lsn - self.acked) if self.server_lsn else None, "lag_s": round(lag_s, 3),
-            "in_flight_transactions": len(self.inflight), "open_streamed_transactions": len(self.spools),
-            "schemas": list(self.schemas), "stopped": self.stop_reason, "caught_up": self.caught_up,
+            "streamed_transactions": self.streamed, "streamed_subtransaction_aborts": self.spools.subxact_aborts,
+            "heartbeats": self.heartbeats, "start_lsn": lsn_to_str(acks.start_lsn), "acked_lsn": lsn_to_str(acks.acked),
+            "target_lsn": lsn_to_str(acks.target), "server_lsn": lsn_to_str(server) if server else None,
+            "lag_bytes": max(0, server - acks.acked) if server else None, "lag_s": round(lag_s, 3),
+            "in_flight_transactions": len(acks.inflight), "open_streamed_transactions": len(self.spools.files),
+            "schemas": list(self.relations.registered), "stopped": self.stop_reason, "caught_up": self.caught_up,
         }
         if interval_s:
             result["interval_events_per_s"] = round((self.events - self.interval_events) / interval_s, 1)

@@ -22,29 +22,29 @@ RECORD = struct.Struct(">QI")  # spool record header: data_start, payload length
 
 
 def stream_start(st: State, m) -> None:
-    st.stream_xid = m.xid
-    spool = st.spools.get(m.xid)
+    st.spools.xid = m.xid
+    spool = st.spools.files.get(m.xid)
     if spool is not None and m.first_segment:  # the server starts this transaction over
         _drop_spool(st, m.xid)
         spool = None
     if spool is None:
-        path = os.path.join(st.spool_dir, f"xid-{m.xid}.spool")
+        path = os.path.join(st.spools.dir, f"xid-{m.xid}.spool")
         try:
-            st.spools[m.xid] = [open(path, "w+b", buffering=1 << 20), set(), path]  # noqa: SIM115 - see _drop_spool
+            st.spools.files[m.xid] = [open(path, "w+b", buffering=1 << 20), set(), path]  # noqa: SIM115 - see _drop_spool
         except OSError as exc:
             raise spool_error(st, m.xid, exc) from exc
 
 
 def spool_error(st: State, xid: int, exc: OSError) -> StreamError:
     return StreamError(
-        f"cannot write the spool of in-progress transaction {xid} in {st.spool_dir}: {exc.strerror or exc}. The "
+        f"cannot write the spool of in-progress transaction {xid} in {st.spools.dir}: {exc.strerror or exc}. The "
         f"server streams transactions larger than logical_decoding_work_mem while they run, and the capture keeps "
         f"them on disk until they commit: free space there, or set source.spool_dir (conf) to a folder with room "
-        f"for the largest transaction. The slot stays at {lsn_to_str(st.acked)}; a restart resumes there")
+        f"for the largest transaction. The slot stays at {lsn_to_str(st.acks.acked)}; a restart resumes there")
 
 
 def _drop_spool(st: State, xid: int) -> None:
-    spool = st.spools.pop(xid, None)
+    spool = st.spools.files.pop(xid, None)
     if spool is not None:
         with contextlib.suppress(OSError):  # buffered bytes that cannot be written any more are not needed
             spool[0].close()
@@ -56,15 +56,15 @@ def stream_abort(st: State, m) -> None:
     """Rollback of a streamed transaction (drop its spool) or of one of its subtransactions (skip its changes)."""
     if m.subxid == m.xid:
         _drop_spool(st, m.xid)
-    elif m.xid in st.spools:
-        st.spools[m.xid][1].add(m.subxid)
-        st.subxact_aborts += 1
+    elif m.xid in st.spools.files:
+        st.spools.files[m.xid][1].add(m.subxid)
+        st.spools.subxact_aborts += 1
 
 
 def stream_commit(st: State, m, tick) -> None:
     """Replay a streamed transaction's spool as one transaction with the commit LSN (tick: the loop's timed work)."""
     delivery.begin(st, m.commit_lsn, m.xid, m.commit_ts)
-    spool = st.spools.get(m.xid)
+    spool = st.spools.files.get(m.xid)
     if spool is not None and not _replay(st, spool, tick):
         return  # stopping: the transaction stays unacknowledged and is resent after a restart
     _drop_spool(st, m.xid)
