@@ -103,7 +103,7 @@ def dbz(live_stack, scratch_database, run_id, tmp_path_factory, drop_slot):
             sql.Identifier(f"dbz_{run_id}")))
     kafka_admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
     kafka_topics.ensure_topics(kafka_admin, [avro_schemas.topic_name(prefix, t) for t in TABLES],
-                         partitions=config.get(conf, "kafka.partitions"))
+                               partitions=config.get(conf, "kafka.partitions"))
     control.ensure(conf)
     folder = stack_folder(conf)
     yield conf

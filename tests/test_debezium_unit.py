@@ -65,7 +65,7 @@ def test_envelope_converts_semantic_types_and_nulls_placeholders(spark_session):
     assert got["ts"] == datetime.datetime(2023, 11, 14, 22, 13, 20, 123456)  # wall clock, no zone
     assert got["ms"] == datetime.datetime(2023, 11, 14, 22, 13, 20, 123000)
     assert got["zoned"].astimezone(datetime.timezone.utc) == datetime.datetime(2024, 1, 1, 10, 0, 0, 500000,
-                                                                                tzinfo=datetime.timezone.utc)
+                                                                               tzinfo=datetime.timezone.utc)
     assert (got["t"], got["free"]) == (3_723_000_001, "12.34")
     assert (got["note"], got["blob"], got["tags"]) == (None, None, None)
     assert sorted(out["unchanged_cols"]) == ["blob", "note", "tags"] and out["before"] is None and out["op"] == "u"
@@ -76,7 +76,7 @@ def test_envelope_converts_semantic_types_and_nulls_placeholders(spark_session):
 def test_writer_detection_and_semantic_fields():
     ours = {"fields": [{"name": "source", "type": {"type": "record", "name": "Source", "fields": [
         {"name": "lsn", "type": "long"}, {"name": "commit_lsn", "type": "long"}, {"name": "event_serial",
-                                                                                 "type": "long"}]}}]}
+                                                                                  "type": "long"}]}}]}
     theirs = {"fields": [{"name": "source", "type": {"type": "record", "name": "Source", "fields": [
         {"name": "lsn", "type": ["null", "long"]}, {"name": "sequence", "type": ["null", "string"]}]}}]}
     assert not debezium.is_debezium(ours) and debezium.is_debezium(theirs)

@@ -49,7 +49,7 @@ def test_a_narrowed_composite_key_stops_the_capture_before_the_change(small_sour
     changed = _sql(src, "ALTER TABLE {s}.pairs DROP CONSTRAINT pairs_pkey, ADD PRIMARY KEY (a)",
                    "INSERT INTO {s}.pairs VALUES (2, 2, 'y')")
     with pytest.raises(stream_state.SchemaChangeError, match=r"primary key changed from \(a, b\) to \(a\).*new topic"
-                                                       r".*lib\.operate\.tables remove") as raised:
+                       r".*lib\.operate\.tables remove") as raised:
         _run(src.conf)
     assert f"{src.schema}.pairs" in str(raised.value)
     assert confirmed_lsn(src.conf) <= changed, "the slot moved past a change the capture refused"

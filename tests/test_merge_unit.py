@@ -191,7 +191,7 @@ def run(unit_conf, spark_session):
             *poison]) +
         feed.rows(ev1.topic, [ev1.event("c", 1, 10, name="a")], partition=1) +
         feed.rows(ev2.topic, [ev2.event("c", 2, 11, name="b", extra="x"), ev2.event("u", 1, 12, name="a2",
-                                                                                      extra="y")], partition=2) +
+                                                                                    extra="y")], partition=2) +
         feed.rows(trunc.topic, [trunc.event("c", 1, 10, name="t1"), trunc.event("c", 2, 11, name="t2"),
                                 trunc.event("c", 3, 30, name="t3")]))
     batch1_messages = {
@@ -253,7 +253,7 @@ def _versions(spark, conf) -> dict:
 
     paths = [lake_paths.dead_letter_path(conf)] + [
         p for spec in lake_paths.table_specs(conf) for p in (lake_paths.bronze_path(conf, spec),
-                                                              lake_paths.silver_path(conf, spec))]
+                                                             lake_paths.silver_path(conf, spec))]
     return {p: DeltaTable.forPath(spark, p).history(1).collect()[0]["version"] for p in paths}
 
 
@@ -276,7 +276,7 @@ def items(run):
 def test_order_duplicates_and_toast_inside_one_batch(items):
     one = items[1]
     assert (one["name"], one["big"], one["_op"], one["_commit_lsn"], one["_deleted"]) == ("one-c", "B1", "u", 111,
-                                                                                         False)
+                                                                                          False)
     assert items[2]["name"] == "two" and items[2]["_commit_lsn"] == 120
 
 
@@ -374,7 +374,7 @@ def test_summary_and_cleanup_of_old_tombstones(run):
 def test_key_history_lists_one_keys_events_in_arrival_order_with_positions(run):
     one = browse.key_history(run["conf"], run["spark"], "unit.items", {"id": 1}).collect()
     assert [(r["op"], r["commit_lsn"], r["batch"]) for r in one] == [("u", 111, 0), ("r", 100, 0), ("u", 110, 0),
-                                                                      ("u", 105, 1)]
+                                                                     ("u", 105, 1)]
     assert one[0]["after"]["name"] == "one-c" and one[0]["lsn"] == "0/6F" and one[1]["position"] == "(0/64, -1)"
     four = browse.key_history(run["conf"], run["spark"], "items", {"id": 4}).collect()
     assert [(r["op"], r["commit_lsn"], r["tombstone"]) for r in four] == [("c", 140, False), ("d", 141, False),
@@ -427,9 +427,9 @@ def test_a_replayed_tombstone_does_not_hide_a_row_inserted_again_later(unit_conf
 
     ctx = micro_batch.context(conf, query="tombs", app_id=f"tombs-{uuid.uuid4().hex[:6]}")
     micro_batch.process_batch(frame([(*items.event("c", 201, 1000, name="first"), None),
-                               (*items.event("d", 201, 1010), None), tomb(201, 1010),
-                               (*items.event("c", 201, 1020, name="again"), None),
-                               (*items.event("c", 202, 1030, name="kept"), None)]), 0, ctx)
+                                     (*items.event("d", 201, 1010), None), tomb(201, 1010),
+                                     (*items.event("c", 201, 1020, name="again"), None),
+                                     (*items.event("c", 202, 1030, name="kept"), None)]), 0, ctx)
     # a replay: the old delete's tombstone alone, and a lone tombstone without a position (Debezium's kind)
     micro_batch.process_batch(frame([tomb(201, 1010), (*items.tombstone(202), None)]), 1, ctx)
     rows = _rows(spark, conf, "items")
@@ -514,9 +514,9 @@ def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(uni
     framed = b"\x00" + (2_000_000_001).to_bytes(4, "big") + b"\x02"
     rows = Feed().rows(items.topic, [items.event("c", 310, 3100, name="ok"), (items.key_bytes(311), framed)])
     with pytest.raises(lake_paths.MergeError, match=rf"topic {items.topic} .*schema id\(s\) 2000000001 .*partition 0 "
-                                               r"offset 1.*unknown_schema_ids: dead_letter"):
+                       r"offset 1.*unknown_schema_ids: dead_letter"):
         micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
-                            micro_batch.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
+                                  micro_batch.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
     assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
 
 
@@ -530,7 +530,7 @@ def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, s
                                      later.event("u", 321, 3210, name="second", late_b="y"),
                                      (items.key_bytes(322), b"\x00" + items.value_id.to_bytes(4, "big") + b"\xff")])
     micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
-                        micro_batch.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
+                              micro_batch.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
     assert _rows(spark_session, conf, "items")[321]["name"] == "first"
     _register(later, registry, schema_id)
     result = merge.replay_dead_letters(conf, spark_session)

@@ -47,7 +47,7 @@ def test_a_quoted_mixed_case_table_with_a_quote_in_a_column_goes_end_to_end(smal
                        CDC__LAKE__ROOT=str(tmp_path / "lake"))
     conf = src.conf
     assert [catalog.normalize(t) for t in config.get(conf, "source.tables")] == [(src.schema, "My Table"),
-                                                                                  (src.schema, "plain")]
+                                                                                 (src.schema, "plain")]
     with src.admin.cursor() as cur:  # the rows existed before the empty snapshot: stream them once
         cur.execute(f'UPDATE {src.schema}."My Table" SET tags = tags')
         cur.execute(f'INSERT INTO {src.schema}."My Table" VALUES (3, \'d\', ARRAY[\'y\', \'z\'])')

@@ -190,7 +190,7 @@ def source_rows(conn, table: catalog.Table) -> dict[tuple, dict]:
     names = [c.name for c in table.columns if not c.generated]
     with conn.cursor() as cur:
         cur.execute(sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join(map(sql.Identifier, names)),
-                                                         sql.Identifier(table.schema, table.name)))
+                                                        sql.Identifier(table.schema, table.name)))
         rows = [converted(table, names, r) for r in cur.fetchall()]
     conn.rollback()
     return {key_of(table, r): r for r in rows}
@@ -568,7 +568,7 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
 def test_multi_dimensional_array_fails_naming_the_column(snap_conf, every_type, spark_session):
     with exported_snapshot(snap_conf) as name:
         rows, _ = snapshot_read.read_table(snap_conf, spark_session, every_type["snaptypes.multi"], name,
-                                      {"rows": 2, "partitions": 1})
+                                           {"rows": 2, "partitions": 1})
         with pytest.raises(Exception) as failure:
             rows.collect()
     error = snapshot._read_failed(every_type["snaptypes.multi"], failure.value)

@@ -72,7 +72,7 @@ def consume_all(conf, topic, expected, timeout=30.0):
 
 
 def test_row_written_to_postgres_is_seen_through_a_logical_slot(live_stack, scratch_database, run_id,
-                                                                 drop_slot):
+                                                                drop_slot):
     slot, publication = f"test_slot_{run_id}", f"test_pub_{run_id}"
     admin = source.connect(live_stack, admin=True, dbname=scratch_database)
     admin.autocommit = True

@@ -232,7 +232,7 @@ def raw_rows(conf, table: catalog.Table, limit: int | None = None) -> list[tuple
     columns = [c for c in table.columns if not c.generated]
     conn = source.connect(conf, options=pgtypes.session_options())
     query = sql.SQL("SELECT {} FROM {}.{}").format(sql.SQL(", ").join(sql.Identifier(c.name) for c in columns),
-                                                  sql.Identifier(table.schema), sql.Identifier(table.name))
+                                                   sql.Identifier(table.schema), sql.Identifier(table.name))
     try:
         with conn.cursor() as cur:
             cur.execute(query + sql.SQL(" LIMIT 0"))
@@ -525,7 +525,7 @@ def test_schema_changes_new_version_then_refused_change_stops_without_acknowledg
         cur.execute("COMMIT")
     conn.close()
     with pytest.raises(stream_state.SchemaChangeError, match=r"table bank\.statements changed \(view_count integer -> "
-                                                       r"text\).*refused"):
+                       r"text\).*refused"):
         stream.run(cdc, until="caught_up", max_seconds=60, heartbeat_s=2)
     position = confirmed_lsn(cdc)
     assert acknowledged <= position <= before_commit  # the refused transaction would be resent

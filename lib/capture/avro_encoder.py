@@ -232,7 +232,7 @@ class _Codegen:
         elif kind == "enum":
             symbols = self.const({s: long_bytes(i) for i, s in enumerate(schema_dict["symbols"])})
             self.named[self.full_name(schema_dict["name"], schema_dict.get("namespace", namespace))] = ("enum",
-                                                                                                       symbols)
+                                                                                                        symbols)
             lines.append(f"{pad}a({symbols}[{var}])")
         elif kind == "fixed":
             raise _Unsupported("fixed")

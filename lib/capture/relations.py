@@ -90,7 +90,7 @@ def _build_plan(st: State, relation) -> events.Plan:
         entry["change"] = _describe_change(previous, table)
     st.relations.registered.append(entry)
     st.log(f"schema    {subjects[1]} version {version} ({status})" + (f": {entry['change']}" if "change" in entry
-                                                                       else ""))
+                                                                      else ""))
     return plan
 
 

@@ -136,7 +136,7 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
               "publication": config.get(conf, "source.publication"), "topic_prefix": prefix,
               "started_at": started_at.isoformat(), "tables": {}}
     log(f"snapshot: slot {slot} created at consistent point {record['consistent_point']}, "
-             f"snapshot {snapshot_name}")
+        f"snapshot {snapshot_name}")
     job = {"conf": conf, "spark": spark, "snapshot_name": snapshot_name, "consistent_lsn": consistent_lsn,
            "snapshot_ts_ms": int(started_at.timestamp() * 1000), "unknown_types": unknown_types,
            "log": log, "tag": f"cdc-snapshot-{slot}"}
@@ -145,7 +145,7 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
         plans = _plan_all(conf, spark, snapshot_name, tables)
         total = sum(p["rows"] for p in plans.values())
         log(f"snapshot: {total:,} rows in {len(tables)} table(s): "
-                 + ", ".join(f"{n} {p['rows']:,} ({p['partitions']} partition(s))" for n, p in plans.items()))
+            + ", ".join(f"{n} {p['rows']:,} ({p['partitions']} partition(s))" for n, p in plans.items()))
         stats = _write_all(job, tables, topics, schemas, plans)
     except BaseException as exc:
         _abort(conf, repl, slot, record, exc, log)
@@ -158,7 +158,7 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
                    "partitions": {name: stats[name]["partitions"] for name in tables}})
     control.put(conf, f"snapshot/{slot}", record)
     log(f"snapshot: complete, {total:,} rows in {elapsed:.1f} s ({record['rows_per_s']:,} rows/s); "
-             f"the stream may start from {record['consistent_point']}")
+        f"the stream may start from {record['consistent_point']}")
     return {"status": "complete", "already_complete": False, **record, "stats": stats}
 
 
@@ -244,13 +244,13 @@ def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple,
                                 f"reached topic {topic}; run the snapshot again")
         if written > plan["rows"]:
             log(f"snapshot {table.qualified}: {written - plan['rows']} duplicate message(s) from retried Spark "
-                     f"tasks (harmless: same key, same position)")
+                f"tasks (harmless: same key, same position)")
         rate = plan["rows"] / elapsed if elapsed > 0 else 0.0
         log(f"snapshot {table.qualified}: {plan['rows']:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s)")
         spark.addTag(job["tag"])
         try:
             retracted = snapshot_write.retract_stale_keys(conf, spark, table, topic, schemas, fields, earlier, after,
-                                           job["consistent_lsn"], job["snapshot_ts_ms"])
+                                                          job["consistent_lsn"], job["snapshot_ts_ms"])
         except SnapshotError:
             raise
         except Exception as exc:
@@ -259,7 +259,7 @@ def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple,
             spark.removeTag(job["tag"])
         if retracted:
             log(f"snapshot {table.qualified}: {retracted:,} key(s) from earlier messages in {topic} no longer "
-                     f"exist: delete events and tombstones written")
+                f"exist: delete events and tombstones written")
     finally:
         consumer.close()
     return {"rows": plan["rows"], "messages": written, "partitions": plan["partitions"], "retracted": retracted,
@@ -299,7 +299,7 @@ def _abort(conf: dict, repl, slot: str, record: dict, exc: BaseException, log) -
         log(f"snapshot: failed, slot {slot} dropped again; run the snapshot again")
     except Exception:
         log(f"snapshot: failed and slot {slot} could not be dropped now; the next run drops it "
-                 f"(until then it retains WAL)")
+            f"(until then it retains WAL)")
     finally:
         with contextlib.suppress(Exception):
             repl.close()

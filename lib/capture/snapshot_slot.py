@@ -105,7 +105,7 @@ def create_slot_with_snapshot(conf: dict, log=print, resnapshot: bool = False):
                 f"(SELECT pg_drop_replication_slot('{slot}')) if nothing else uses it")
         if info is not None and state == "complete" and not resnapshot:
             log(f"snapshot: slot {slot} exists and its snapshot is complete (consistent point "
-                     f"{lsn_to_str(int(record['consistent_lsn']))}): nothing to do")
+                f"{lsn_to_str(int(record['consistent_lsn']))}): nothing to do")
             return None, int(record["consistent_lsn"]), None
         if info is None and state == "complete" and not resnapshot:
             raise SnapshotError(

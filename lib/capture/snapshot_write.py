@@ -52,7 +52,7 @@ def envelope_parts(table: catalog.Table, conf: dict, value_schema: dict, consist
     """
     fields = {f["name"]: f for f in value_schema["fields"]}
     assert [f["name"] for f in value_schema["fields"]] == ["before", "after", "source", "op", "ts_ms", "transaction",
-                                                          "unchanged_cols"], "envelope layout changed"
+                                                           "unchanged_cols"], "envelope layout changed"
     tail_schema = {"type": "record", "name": "EnvelopeTail", "namespace": value_schema["namespace"],
                    "fields": [fields[n] for n in ("source", "op", "ts_ms", "transaction", "unchanged_cols")]}
     source_block = {

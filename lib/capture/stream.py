@@ -71,7 +71,7 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
         _refuse_beside_the_service(conf)
     _require_snapshot(conf, slot)
     st = State(conf, until, heartbeat_s, metrics_interval_s, max_seconds, stop_event, metrics_callback,
-                log or (lambda line: None))
+               log or (lambda line: None))
     handlers = _install_signal_handlers(st)
     failure: BaseException | None = None
     try:
@@ -187,7 +187,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
         "proto_version": "1"}
     try:
         cursor.start_replication(slot_name=st.slot, decode=False, start_lsn=0, status_interval=STATUS_INTERVAL_S,
-                                    options={**proto, "publication_names": _quote_ident(st.publication)})
+                                 options={**proto, "publication_names": _quote_ident(st.publication)})
     except psycopg2.Error as exc:
         raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; check that no other "
                           f"capture uses the slot and that publication {st.publication} exists") from exc

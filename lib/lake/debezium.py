@@ -204,7 +204,7 @@ def decimal_text(c: Column) -> Column:
         return _let(F.lpad(d, F.greatest(F.length(d), scale + 1), "0"), lambda padded: F.when(
             scale > 0, F.concat(F.substr(padded, F.lit(1), F.length(padded) - scale), F.lit("."),
                                 F.substr(padded, F.length(padded) - scale + 1, scale)))
-            .when(scale < 0, F.concat(d, F.repeat(F.lit("0"), -scale))).otherwise(d))
+                    .when(scale < 0, F.concat(d, F.repeat(F.lit("0"), -scale))).otherwise(d))
 
     return F.when(c.isNotNull() & (size > 0),
                   F.concat(F.when(negative, F.lit("-")).otherwise(F.lit("")), _let(digits, with_point)))

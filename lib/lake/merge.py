@@ -31,8 +31,8 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
     if not DeltaTable.isDeltaTable(spark, path):
         return {"replayed": 0}
     letters = spark.read.format("delta").load(path).select("key", "value", "topic", "partition", "offset",
-                                                             "timestamp").dropDuplicates(["topic", "partition",
-                                                                                          "offset"])
+                                                           "timestamp").dropDuplicates(["topic", "partition",
+                                                                                        "offset"])
     rows = letters.collect()
     if not rows:
         return {"replayed": 0}

@@ -210,7 +210,7 @@ def merge_statement(conf: dict, spark: SparkSession, table: str) -> str:
 
 
 def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
-                  truncate: tuple[int, int, object] | None, ready: dict | None = None) -> None:
+                 truncate: tuple[int, int, object] | None, ready: dict | None = None) -> None:
     """The one MERGE of a table in a micro-batch.
 
     Running it again with the same source changes nothing (every clause requires a newer position or

@@ -112,7 +112,7 @@ def _value_record(schema: dict) -> dict | None:
 
 
 def table_layout(spark: SparkSession, schemas: Schemas, spec: TableSpec, value_ids: set[int],
-            key_ids: set[int]) -> Layout:
+                 key_ids: set[int]) -> Layout:
     """Resolve the writer ids seen in a batch and the table's target structs."""
     key_subject, value_subject = schema_registry.subjects(spec.topic)
     versions = schemas.versions(value_subject)

@@ -180,7 +180,7 @@ def kafka_lag(conf: dict) -> dict[str, dict]:
             continue
         end = sum(ends[topic].values())
         merged = None if done is None else sum(min(done.get(topic, {}).get(p, 0), high)
-                                                for p, high in ends[topic].items())
+                                               for p, high in ends[topic].items())
         result[topic] = {"end": end, "merged": merged, "lag": end - (merged or 0)}
     return result
 

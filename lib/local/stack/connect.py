@@ -157,7 +157,7 @@ def write_config(conf: dict, stack_dir: Path, where: dict[str, Path], port: int)
     where["worker"].write_text(_properties(worker))
     where["connector"].write_text(_properties(connector_config(conf)))
     where["log4j"].write_text(process.console_log4j2("WARN", {"io.debezium": "INFO",
-                                                             "org.apache.kafka.connect.runtime.Worker": "INFO"}))
+                                                              "org.apache.kafka.connect.runtime.Worker": "INFO"}))
 
 
 def _properties(values: dict) -> str:
