@@ -142,6 +142,17 @@ def get(conf: dict, dotted: str, default=...):
     return node
 
 
+def make(conf: dict, goal: str) -> str:
+    """`make <goal>` as a hint to print, for conf's target: the Makefile reads the target from CDC_TARGET."""
+    target = conf.get("target", "local")
+    return f"`make {goal}`" if target == "local" else f"`CDC_TARGET={target} make {goal}`"
+
+
+def command(conf: dict, module: str, args: str = "") -> str:
+    """`python -m <module> ... --target <target>` as a hint to print, for conf's target."""
+    return f"`python -m {module} {args + ' ' if args else ''}--target {conf.get('target', 'local')}`"
+
+
 def project_path(value: str | os.PathLike) -> Path:
     """A path from conf: absolute as given, relative to the project root otherwise."""
     path = Path(os.path.expanduser(str(value)))

@@ -11,6 +11,7 @@ import sys
 import matplotlib
 import pytest
 
+from lib import config
 from lib.operate import keeper, metrics, monitor, service, teardown, workers
 
 matplotlib.use("Agg")
@@ -137,3 +138,24 @@ def test_teardown_names_what_is_lost():
     assert lines[0].startswith("replication slot s: changes committed after 0/10") and "4.0 kB" in lines[0]
     assert "publication p (bank.a)" in lines[1] and "snapshot/s" in lines[2] and "topic x.bank.a: 12" in lines[3]
     assert "x.bank.a-value" in lines[4]
+
+
+def test_the_target_may_follow_the_subcommand_and_hints_carry_it(conf, capsys):
+    args = service.parser().parse_args(["status", "--target", "tpch"])
+    assert (args.command, args.sub_target) == ("status", "tpch")
+    assert service.main(["status", "--target", "no_such_target"]) == 1
+    assert "no configuration for target 'no_such_target'" in capsys.readouterr().err
+    assert config.make({**conf, "target": "local"}, "status") == "`make status`"
+    assert config.make({**conf, "target": "tpch"}, "stop") == "`CDC_TARGET=tpch make stop`"
+    assert config.command({**conf, "target": "tpch"}, "lib.operate.teardown", "--yes") == \
+        "`python -m lib.operate.teardown --yes --target tpch`"
+
+
+def test_the_last_error_is_the_error_not_the_jvm_chatter_after_it(tmp_path):
+    log = tmp_path / "merge.log"
+    log.write_text("merge     query started\n"
+                   "python -m lib.operate.service: error: merge query q stopped in micro-batch 3: boom\n"
+                   "26/11/24 21:10:10 WARN ObjectStore: Failed to get database delta, error NoSuchObjectException\n"
+                   "26/11/24 21:10:11 WARN Utils: Your hostname resolves to a loopback address\n")
+    assert keeper._last_error_line(log, keeper_lines=False) == \
+        "python -m lib.operate.service: error: merge query q stopped in micro-batch 3: boom"

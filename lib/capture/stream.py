@@ -99,8 +99,8 @@ def _refuse_beside_the_service(conf: dict) -> None:
     if lease is not None:
         raise StreamError(f"the continuous capture of slot {config.get(conf, 'source.slot')} runs "
                           f"({control.describe_lease(lease)}), and a slot serves one reader: it already streams "
-                          f"every change to Kafka. Stop it first (make stop, or pause the cdc_capture job) to run "
-                          f"this step, or skip this step")
+                          f"every change to Kafka. Stop it first ({config.make(conf, 'stop')}, or pause the "
+                          f"cdc_capture job) to run this step, or skip this step")
 
 
 def _require_snapshot(conf: dict, slot: str) -> None:

@@ -123,8 +123,9 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -
         checkpoint = lake_paths.checkpoint_path(conf, query_name(conf))
         raise MergeError(f"the continuous merge of slot {config.get(conf, 'source.slot')} runs "
                          f"({control.describe_lease(lease)}) on checkpoint {checkpoint}, "
-                         f"which serves one query: it already merges every change. Stop it first (make stop, or pause "
-                         f"the cdc_merge job) to run this step, or skip this step")
+                         f"which serves one query: it already merges every change. Stop it first "
+                         f"({config.make(conf, 'stop')}, or pause the cdc_merge job) to run this step, or skip this "
+                         f"step")
     attempts = int(config.get(conf, "merge.restart_attempts"))
     history: list[dict] = []
     name = query_name(conf)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,12 +90,15 @@ def state(conf: dict, name: str) -> dict:
 
 
 def _last_error_line(log_file: Path, keeper_lines: bool = True) -> str | None:
-    """The log's last line that mentions an error, else its last line (keeper lines left out if asked)."""
-    lines = [line for line in process.tail(log_file, 30).splitlines() if line.strip()]
+    """The log's last error line (an exception, `...: error: ...`), else its last line that is not a JVM
+    WARN/INFO line (keeper lines left out if asked)."""
+    lines = [line for line in process.tail(log_file, 60).splitlines() if line.strip()]
     if not keeper_lines:
         lines = [line for line in lines if not line.startswith("=== ")]
-    errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or [None])[-1]
+    chatter = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d (WARN|INFO|DEBUG) |^\s+at |^\[Stage ")
+    own = [line for line in lines if not chatter.search(line)]
+    errors = [line for line in own if re.search(r"error|exception|traceback", line, re.IGNORECASE)]
+    return (errors or own or lines or [None])[-1]
 
 
 def restart_policy(conf: dict) -> dict:
@@ -190,8 +194,8 @@ def keep(name: str, conf_file: str, log=print) -> int:
             log(f"=== {stamp()} keeper: error: {name} failed {len(failures)} times within "
                 f"service.restart_window_s={policy['window_s']:.0f} s (service.max_restarts="
                 f"{policy['max_restarts']}), giving up; last exit: {last_exit}; last error: "
-                f"{last_error or 'none logged'}. Fix the cause, then `make run` (service.start) starts it again "
-                f"from where it left off")
+                f"{last_error or 'none logged'}. Fix the cause, then {config.make(conf, 'run')} (service.start) "
+                f"starts it again from where it left off")
             return 1
         delay = min(policy["backoff_s"] * 2 ** (len(failures) - 1), MAX_BACKOFF_S)
         restarts += 1

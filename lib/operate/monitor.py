@@ -234,7 +234,8 @@ def status(conf: dict, spark=None, all_slots: bool = False) -> dict:
             warnings.append(f"the {name} service is {row['last_line']}; it starts again by itself once that answers")
         if row["state"] == "crashed":
             warnings.append(f"the {name} service died (pid {row['pid']}, see {row['log']}): "
-                            f"{row.get('last_line') or 'no message'}; `make run` (service.start) resumes it")
+                            f"{row.get('last_line') or 'no message'}; {config.make(conf, 'run')} (service.start) "
+                            f"resumes it")
     running = {row["service"]: row["state"] == "running" for row in services}
     capture_last, merge_last = metrics.latest(conf, "capture"), metrics.latest(conf, "merge")
     slot_rows = _slot_status(conf, all_slots, running["capture"], capture_last, warnings)
@@ -297,8 +298,8 @@ def _slot_status(conf: dict, all_slots: bool, capture_running: bool, capture_las
             warnings.append(
                 f"slot {row['slot']} has no consumer attached: PostgreSQL keeps all WAL from "
                 f"{row['restart_lsn']} on ({human_size(row['retained_wal_bytes'])} now) until the disk fills or "
-                f"max_slot_wal_keep_size invalidates the slot; start the capture (`make run`) or drop the slot "
-                f"(`make teardown`)" if mine else
+                f"max_slot_wal_keep_size invalidates the slot; start the capture ({config.make(conf, 'run')}) or "
+                f"drop the slot ({config.make(conf, 'teardown')})" if mine else
                 f"slot {row['slot']} (not this pipeline's) has no consumer attached and retains "
                 f"{human_size(row['retained_wal_bytes'])} of WAL; drop it if it is a leftover")
         if row["retained_wal_bytes"] is not None and row["retained_wal_bytes"] > warn and (mine or all_slots):
@@ -411,7 +412,7 @@ def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"slot {config.get(conf, 'source.slot')} did not confirm {target} within "
                                        f"{timeout_s:.0f} s (at {row and row['confirmed_flush_lsn']}): is the capture "
-                                       f"running? `make status`")
+                                       f"running? {config.make(conf, 'status')}")
                 time.sleep(poll_s)
     finally:
         conn.close()
@@ -429,7 +430,7 @@ def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1
                     "kafka_end": {t: sum(p.values()) for t, p in ends.items()}}
         if time.monotonic() > deadline:
             raise TimeoutError(f"the merge ({checkpoint}) did not reach Kafka's end offsets within {timeout_s:.0f} s; "
-                               f"behind: {behind}; is the merge running? `make status`")
+                               f"behind: {behind}; is the merge running? {config.make(conf, 'status')}")
         time.sleep(poll_s)
 
 

@@ -112,8 +112,8 @@ def start(conf: dict, services: tuple[str, ...] = metrics.SERVICES, log=print) -
                     f"the {name} service failed right after starting ({record['last_exit']}): "
                     f"{record.get('last_error') or 'no error line'}; its keeper (pid {started[name]}) starts it again "
                     f"up to service.max_restarts={policy['max_restarts']} times within service.restart_window_s="
-                    f"{policy['window_s']:.0f} s, then leaves it crashed: fix the cause, then `make stop` and "
-                    f"`make run`; see {row['log']}")
+                    f"{policy['window_s']:.0f} s, then leaves it crashed: fix the cause, then "
+                    f"{config.make(conf, 'stop')} and {config.make(conf, 'run')}; see {row['log']}")
     for name, pid in started.items():
         log(f"{name:9s} running (keeper pid {pid}), log {keeper.files(conf, name)['log']}")
     return started
@@ -171,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("services", nargs="*", metavar="SERVICE",
                          help=f"{' and/or '.join(metrics.SERVICES)} (default: both)")
+        sub.add_argument("--target", dest="sub_target", default=None, help="conf/<target>.yml (here or before)")
     keep = commands.add_parser("keep", help="run one service as a child, restarting it when it crashes (what "
                                             "start launches)")
     keep.add_argument("service", choices=metrics.SERVICES)
@@ -205,18 +206,19 @@ def main(argv: list[str] | None = None) -> int:
                 result = workers.run_merge(conf, max_seconds=args.max_seconds, log=log)
                 log(f"merge     stopped: {result}")
             return 0
-        conf = config.load(args.target)
+        conf = config.load(args.sub_target or args.target)
         chosen = tuple(args.services) or metrics.SERVICES
         if args.command == "start":
             start(conf, chosen)
-            print("next      `make status` shows lag and throughput; `make stop` stops both")
+            print(f"next      {config.make(conf, 'status')} shows lag and throughput; {config.make(conf, 'stop')} "
+                  f"stops both")
         elif args.command == "stop":
             stop(conf, chosen)
         else:
             for row in status(conf):
                 if row["service"] in chosen:
-                    print(f"{row['service']:9s} {row['state']:9s} pid {str(row['pid'] or '-'):>7s}  "
-                          f"restarts {row['restarts']}  log {row['log']}"
+                    print(f"{row['service']:9s} {row['state']:9s} keeper pid {str(row['pid'] or '-'):>7s}  "
+                          f"worker pid {str(row['child'] or '-'):>7s}  restarts {row['restarts']}  log {row['log']}"
                           + (f"\n          last line: {row['last_line']}" if row["last_line"] else ""))
     except Exception as exc:  # noqa: BLE001 - one line, exit 1
         print(f"{cli.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)

@@ -94,7 +94,7 @@ def run(conf: dict, topics: bool = False, confirm: bool = False, log=print) -> d
     lost = losses(p)
     if p["running"]:
         raise TeardownError(f"the {' and '.join(p['running'])} service(s) of slot {p['slot']} still run: stop them "
-                            f"first (`make stop`, service.stop(conf)); nothing was dropped")
+                            f"first ({config.make(conf, 'stop')}, service.stop(conf)); nothing was dropped")
     row = p["slot_row"]
     if row and row["active"]:
         raise TeardownError(f"replication slot {p['slot']} is in use by process {row['active_pid']} (a capture, a "
@@ -106,8 +106,9 @@ def run(conf: dict, topics: bool = False, confirm: bool = False, log=print) -> d
         raise TeardownRefused(
             "teardown needs confirmation; it would drop:\n" + "\n".join(f"  - {line}" for line in lost)
             + "\nKept: the Delta tables under lake.root and the services' logs and metrics.\nNothing was dropped; to "
-              "go ahead run `make teardown YES=1` (python -m lib.operate.teardown --yes"
-            + (" --topics" if topics else "") + ", or teardown.run(conf, confirm=True))")
+              f"go ahead run {config.make(conf, 'teardown YES=1' + (' TOPICS=1' if topics else ''))} ("
+            + config.command(conf, "lib.operate.teardown", "--yes" + (" --topics" if topics else ""))
+            + ", or teardown.run(conf, confirm=True))")
     dropped = []
     if row:
         _drop_slot(conf, p["slot"])
