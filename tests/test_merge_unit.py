@@ -15,6 +15,7 @@ scenario left in bronze, silver and the dead-letter table:
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from datetime import date, datetime, timezone
 from decimal import Decimal
 from pathlib import Path
 
+import deltalake
 import fastavro
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -45,6 +47,7 @@ def _type(name: str, typmod: int = -1, category: str = "U") -> PgType:
 
 TEXT = _type("text", category="S")
 TYPES = {
+    "int4": (_type("int4", category="N"), "integer", False),
     "int8": (_type("int8", category="N"), "bigint", False),
     "text": (TEXT, "text", True),
     "numeric": (_type("numeric", ((14 << 16) | 2) + 4, "N"), "numeric(14,2)", True),
@@ -74,6 +77,8 @@ ITEMS = make_table("unit", "items", ITEMS_COLUMNS)
 EVOLVE_V1 = make_table("unit", "evolve", [("id", "int8"), ("name", "text")])
 EVOLVE_V2 = make_table("unit", "evolve", [("id", "int8"), ("name", "text"), ("extra", "text")])
 TRUNC = make_table("unit", "trunc", [("id", "int8"), ("name", "text")])
+WIDEN_V1 = make_table("unit", "widen", [("id", "int8"), ("n", "int4")])
+WIDEN_V2 = make_table("unit", "widen", [("id", "int8"), ("n", "int8")])
 
 
 class Writer:
@@ -541,3 +546,46 @@ def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, s
     assert [(r["offset"], r["reason"]) for r in left] == [(2, "undecodable")]
     again = merge.replay_dead_letters(conf, spark_session)  # nothing new decodes: silver and the letters unchanged
     assert again["replayed"] == 0 and _rows(spark_session, conf, "items")[321]["_commit_lsn"] == 3210
+
+
+
+def _protocol(path: str) -> dict:
+    """The table's protocol as its Delta log last set it (reader features and version)."""
+    found = {}
+    for log in sorted(Path(path, "_delta_log").glob("*.json")):
+        for line in log.read_text().splitlines():
+            found.update(json.loads(line).get("protocol") or {})
+    return found
+
+
+def test_silver_and_bronze_open_in_delta_rs(run):
+    spec = lake_paths.table_spec(run["conf"], "unit.items")
+    for path in (lake_paths.silver_path(run["conf"], spec), lake_paths.bronze_path(run["conf"], spec)):
+        assert "typeWidening" not in _protocol(path).get("readerFeatures", []), path
+        rows = deltalake.DeltaTable(path).to_pyarrow_table().num_rows
+        assert rows == run["spark"].read.format("delta").load(path).count() > 0, path
+
+
+def test_a_widened_column_turns_type_widening_on_and_keeps_every_value(unit_conf, spark_session, tmp_path):
+    prefix = f"{config.get(unit_conf, 'kafka.topic_prefix')}-widen"
+    conf = config.apply_overrides(unit_conf, {"CDC__KAFKA__TOPIC_PREFIX": prefix, "CDC__LAKE__ROOT": str(tmp_path),
+                                              "CDC__SOURCE__TABLES": "[unit.widen]"})
+    control.ensure(conf)
+    registry = schema_registry.client(conf)
+    narrow, wide = Writer(registry, prefix, WIDEN_V1), Writer(registry, prefix, WIDEN_V2)
+    feed, ctx = Feed(), micro_batch.context(conf, query="widen", app_id=f"widen-{uuid.uuid4().hex[:6]}")
+    frame = lambda rows: spark_session.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
+    micro_batch.process_batch(frame(feed.rows(narrow.topic, [narrow.event("c", 1, 10, n=7)])), 0, ctx)
+    spec = lake_paths.table_spec(conf, "unit.widen")
+    paths = (lake_paths.silver_path(conf, spec), lake_paths.bronze_path(conf, spec))
+    assert all("typeWidening" not in _protocol(p).get("readerFeatures", []) for p in paths)
+    micro_batch.process_batch(frame(feed.rows(wide.topic, [wide.event("u", 1, 20, n=5_000_000_000),
+                                                           wide.event("c", 2, 21, n=-3)])), 1, ctx)
+    silver = spark_session.read.format("delta").load(paths[0])
+    assert dict(silver.dtypes)["n"] == "bigint"
+    assert {r["id"]: r["n"] for r in silver.collect()} == {1: 5_000_000_000, 2: -3}
+    bronze = spark_session.read.format("delta").load(paths[1])
+    assert sorted(r["after"]["n"] for r in bronze.collect()) == [-3, 7, 5_000_000_000]
+    assert all("typeWidening" in _protocol(p).get("readerFeatures", []) for p in paths)
+    AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")}) \
+        .delete_topics([control.topic(conf)])[control.topic(conf)].result(30)

@@ -251,7 +251,9 @@ def _write_bronze(spark: SparkSession, ctx: MergeContext, spec: TableSpec, decod
     bronze = lake_paths.bronze_path(ctx.conf, spec)
     rows = bronze_table.bronze_rows(decoded)
     if ctx.ready.get(bronze) != rows.schema:
-        delta_io.ensure_table(spark, bronze, rows.schema)
+        table = delta_io.ensure_table(spark, bronze, rows.schema)
+        if delta_io.widens(table.toDF().schema, rows.schema):  # the append widens a column: Delta must allow it
+            delta_io.allow_widening(spark, bronze)
         ctx.ready[bronze] = rows.schema
     _append_once(spark, ctx, bronze, rows, f"{app}/{spec.qualified}", batch_id, mergeSchema="true")
     timing.update(bronze_s=round(time.monotonic() - began, 2), bronze_at=time.time())

@@ -115,6 +115,7 @@ def _align_columns(spark: SparkSession, table, path: str, spec: TableSpec, row: 
                 and f.dataType.scale <= have.dataType.scale:
             continue  # narrower decimal: values fit the stored type
         try:
+            delta_io.allow_widening(spark, path)
             spark.sql(f"ALTER TABLE {ident} ALTER COLUMN {quote(have.name)} TYPE {f.dataType.simpleString()}")
         except Exception as exc:
             raise MergeError(
