@@ -572,13 +572,14 @@ def test_a_widened_column_turns_type_widening_on_and_keeps_every_value(unit_conf
                                               "CDC__SOURCE__TABLES": "[unit.widen]"})
     control.ensure(conf)
     registry = schema_registry.client(conf)
-    narrow, wide = Writer(registry, prefix, WIDEN_V1), Writer(registry, prefix, WIDEN_V2)
+    narrow = Writer(registry, prefix, WIDEN_V1)
     feed, ctx = Feed(), micro_batch.context(conf, query="widen", app_id=f"widen-{uuid.uuid4().hex[:6]}")
     frame = lambda rows: spark_session.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
     micro_batch.process_batch(frame(feed.rows(narrow.topic, [narrow.event("c", 1, 10, n=7)])), 0, ctx)
     spec = lake_paths.table_spec(conf, "unit.widen")
     paths = (lake_paths.silver_path(conf, spec), lake_paths.bronze_path(conf, spec))
     assert all("typeWidening" not in _protocol(p).get("readerFeatures", []) for p in paths)
+    wide = Writer(registry, prefix, WIDEN_V2)  # the column widens at the source: a new schema version
     micro_batch.process_batch(frame(feed.rows(wide.topic, [wide.event("u", 1, 20, n=5_000_000_000),
                                                            wide.event("c", 2, 21, n=-3)])), 1, ctx)
     silver = spark_session.read.format("delta").load(paths[0])
@@ -586,6 +587,6 @@ def test_a_widened_column_turns_type_widening_on_and_keeps_every_value(unit_conf
     assert {r["id"]: r["n"] for r in silver.collect()} == {1: 5_000_000_000, 2: -3}
     bronze = spark_session.read.format("delta").load(paths[1])
     assert sorted(r["after"]["n"] for r in bronze.collect()) == [-3, 7, 5_000_000_000]
-    assert all("typeWidening" in _protocol(p).get("readerFeatures", []) for p in paths)
-    AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")}) \
-        .delete_topics([control.topic(conf)])[control.topic(conf)].result(30)
+    assert [_protocol(p).get("readerFeatures", []) for p in paths] == [["typeWidening"]] * 2
+    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    admin.delete_topics([control.topic(conf)])[control.topic(conf)].result(30)
