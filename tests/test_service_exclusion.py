@@ -15,7 +15,7 @@ def test_catch_up_steps_refuse_while_a_service_holds_its_lease_and_run_once_it_e
     conf = small_source("CREATE TABLE {s}.items (id int PRIMARY KEY)").conf
     control.renew_lease(conf, "capture", 60)
     with pytest.raises(stream.StreamError, match=r"continuous capture of slot .* runs \(pid \d+ on .*renewed until"
-                                                 r".*Stop it first \(make stop, or pause the cdc_capture job\)"):
+                                                 r".*Stop it first \(`make stop`, or pause the cdc_capture job\)"):
         stream.run(conf, until="caught_up", heartbeat_s=0)
     control.renew_lease(conf, "merge", 60)
     with pytest.raises(lake_paths.MergeError, match=r"continuous merge of slot .* runs .* checkpoint .*cdc_merge job"):
