@@ -8,8 +8,10 @@ own (``with_metastore``), and ``require_catalog`` names the remedy when another 
 import copy
 import fcntl
 import glob
+import hashlib
 import os
 import re
+import tempfile
 
 from pyspark.sql import SparkSession
 
@@ -52,6 +54,37 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
     for key, value in conf.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def log4j2_properties(root_level: str, loggers: dict[str, str],
+                      pattern: str = "%d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex", target: str = "SYSTEM_ERR") -> str:
+    """A log4j2.properties that prints to the console at root_level, with {logger name: level} overrides."""
+    lines = ["status = warn", "appender.console.type = Console", "appender.console.name = console",
+             f"appender.console.target = {target}", "appender.console.layout.type = PatternLayout",
+             f"appender.console.layout.pattern = {pattern}", f"rootLogger.level = {root_level}",
+             "rootLogger.appenderRef.console.ref = console"]
+    for i, (name, level) in enumerate(loggers.items()):
+        lines += [f"logger.l{i}.name = {name}", f"logger.l{i}.level = {level}"]
+    return "\n".join(lines) + "\n"
+
+
+def with_log_levels(settings: dict[str, str], levels: dict[str, str]) -> dict[str, str]:
+    """settings whose driver Java options load a log4j2 file with spark.log_levels (WARN otherwise).
+
+    The one place the local driver's log levels are set: loggers that only report what a user
+    cannot act on (Hive's metastore bookkeeping, the hostname, native Hadoop) stay quiet in jobs.
+    """
+    if not levels:
+        return settings
+    text = log4j2_properties("WARN", {str(k): str(v) for k, v in levels.items()})
+    path = os.path.join(tempfile.gettempdir(), f"cdc-spark-log4j2-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+                                               f".properties")
+    if not os.path.exists(path):
+        with open(path + ".part", "w") as handle:
+            handle.write(text)
+        os.replace(path + ".part", path)
+    options = f"{settings.get(JAVA_OPTIONS_KEY, '')} -Dlog4j2.configurationFile=file:{path}".strip()
+    return {**settings, JAVA_OPTIONS_KEY: options}
 
 
 def derby_path(url: str) -> str | None:
@@ -110,6 +143,8 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     home = DERBY_HOME_RE.search(settings.get(JAVA_OPTIONS_KEY, ""))
     if home and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         os.makedirs(home.group(1), exist_ok=True)  # derby.log goes there
+    if not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        settings = with_log_levels(settings, config.get(conf, "spark.log_levels"))
     jars_dir = config.get(conf, "spark.jars_dir")
     return session(config.get(conf, "spark.app_name"),
                    config.location(jars_dir) if jars_dir else None, settings)

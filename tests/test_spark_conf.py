@@ -59,3 +59,17 @@ def test_derby_in_use_sees_a_lock_held_by_another_process(tmp_path):
         holder.communicate("", timeout=30)
     assert not spark.derby_in_use(str(tmp_path))
     assert not spark.derby_in_use(str(tmp_path / "missing"))
+
+
+def test_the_local_driver_takes_its_log_levels_from_conf(spark_session):
+    levels = config.get(config.load("local"), "spark.log_levels")
+    assert levels["org.apache.hadoop.hive.metastore.ObjectStore"] == "ERROR"
+    manager = spark_session.sparkContext._jvm.org.apache.logging.log4j.LogManager
+    level = lambda name: manager.getLogger(name).getLevel().toString()  # noqa: E731
+    assert {name: level(name) for name in levels} == levels
+    assert level("org.apache.spark.sql.delta.DeltaLog") == "WARN"  # every other logger as before
+
+
+def test_no_log_levels_leave_the_java_options_alone():
+    assert spark.with_log_levels({"spark.driver.extraJavaOptions": "-Dx=1"}, {}) == \
+        {"spark.driver.extraJavaOptions": "-Dx=1"}

@@ -108,11 +108,10 @@ def wait_ready(service: str, probe, timeout: float, log_file: Path, pid: int | N
     )
 
 
+
+
 def console_log4j2(root_level: str, loggers: dict[str, str]) -> str:
-    """A log4j2.properties that prints to the console at root_level, with {logger name: level} overrides."""
-    lines = ["status = warn", "appender.console.type = Console", "appender.console.name = console",
-             "appender.console.layout.type = PatternLayout", "appender.console.layout.pattern = [%d] %p %m (%c)%n",
-             f"rootLogger.level = {root_level}", "rootLogger.appenderRef.console.ref = console"]
-    for i, (name, level) in enumerate(loggers.items()):
-        lines += [f"logger.l{i}.name = {name}", f"logger.l{i}.level = {level}"]
-    return "\n".join(lines) + "\n"
+    """A log4j2.properties for a stack service: the console at root_level, with {logger name: level} overrides."""
+    from lib import spark
+
+    return spark.log4j2_properties(root_level, loggers, "[%d] %p %m (%c)%n", "SYSTEM_OUT")
