@@ -121,6 +121,7 @@ DEFAULTS: dict[str, object] = {
     "spark.app_name": "cdc-pipeline",
     "spark.jars_dir": None,
     "spark.settings": {},
+    "spark.local_metastore": False,  # true: Hive metastore and warehouse under lake.root (lib/spark.py)
     "spark.log_levels": {},  # logger -> level for the local driver (lib/spark.py); WARN for the rest
 }
 

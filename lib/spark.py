@@ -112,9 +112,9 @@ def resolve_locations(settings: dict) -> dict[str, str]:
     return out
 
 
-def with_metastore(conf: dict, folder: str) -> dict:
-    """A copy of conf whose local session keeps its Hive metastore, warehouse and derby.log in folder
-    (tests and side processes: embedded Derby admits one Spark driver at a time)."""
+def with_metastore(conf: dict, folder: str, warehouse: str | None = None) -> dict:
+    """A copy of conf whose local session keeps its Hive metastore and derby.log in folder and its
+    warehouse in warehouse (default folder/warehouse): embedded Derby admits one Spark driver at a time."""
     out = copy.deepcopy(conf)
     spark_conf = out.setdefault("spark", {})
     settings = spark_conf["settings"] = dict(spark_conf.get("settings") or {})
@@ -122,11 +122,28 @@ def with_metastore(conf: dict, folder: str) -> dict:
     options = DERBY_HOME_RE.sub("", str(settings.get(JAVA_OPTIONS_KEY, ""))).strip()
     settings.update({
         CATALOG_KEY: "hive",
-        "spark.sql.warehouse.dir": os.path.join(folder, "warehouse"),
+        "spark.sql.warehouse.dir": config.location(warehouse) if warehouse else os.path.join(folder, "warehouse"),
         METASTORE_URL_KEY: f"jdbc:derby:;databaseName={os.path.join(folder, 'metastore_db')};create=true",
         JAVA_OPTIONS_KEY: f"{options} -Dderby.system.home={folder}".strip(),
     })
     return out
+
+
+def with_lake_metastore(conf: dict) -> dict:
+    """conf with `spark.local_metastore: true` made concrete: the Hive metastore in <lake.root>/_metastore and
+    the warehouse in <lake.root>/warehouse, so each target keeps its views apart. Settings that name a
+    metastore or warehouse themselves win."""
+    settings = config.get(conf, "spark.settings") or {}
+    if not config.get(conf, "spark.local_metastore") or METASTORE_URL_KEY in settings:
+        return conf
+    root = config.location(config.get(conf, "lake.root")).rstrip("/")
+    if "://" in root or root.startswith("dbfs:"):
+        raise config.ConfigError(
+            f"spark.local_metastore keeps an embedded Derby metastore under lake.root, which must then be a local "
+            f"folder, not {root}; in {conf.get('conf_file', 'conf')} set spark.local_metastore: false and point "
+            f"spark.settings at your metastore ({METASTORE_URL_KEY}, spark.sql.warehouse.dir)")
+    warehouse = settings.get("spark.sql.warehouse.dir") or f"{root}/warehouse"
+    return with_metastore(conf, f"{root}/_metastore", warehouse)
 
 
 def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
@@ -135,7 +152,7 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     catalog="in-memory" leaves the persistent metastore alone (for processes that only use Delta
     paths, such as the merge); one session per process, so the first call decides.
     """
-    settings = resolve_locations(dict(config.get(conf, "spark.settings") or {}))
+    settings = resolve_locations(dict(config.get(with_lake_metastore(conf), "spark.settings") or {}))
     if catalog is not None:
         if catalog not in ("hive", "in-memory"):
             raise ValueError(f"catalog must be 'hive' or 'in-memory', not {catalog!r}")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from lib import config, spark
 
 
@@ -73,3 +75,22 @@ def test_the_local_driver_takes_its_log_levels_from_conf(spark_session):
 def test_no_log_levels_leave_the_java_options_alone():
     assert spark.with_log_levels({"spark.driver.extraJavaOptions": "-Dx=1"}, {}) == \
         {"spark.driver.extraJavaOptions": "-Dx=1"}
+
+
+def test_local_metastore_follows_the_lake_root_so_two_targets_keep_their_views_apart(tmp_path):
+    demo = config.load("local")
+    other = config.apply_overrides(demo, {"CDC__LAKE__ROOT": str(tmp_path / "lake")})
+    urls = [spark.resolve_locations(spark.with_lake_metastore(c)["spark"]["settings"]) for c in (demo, other)]
+    demo_db = f"{config.PROJECT_ROOT}/.stack/lake/_metastore/metastore_db"
+    assert spark.derby_path(urls[0][spark.METASTORE_URL_KEY]) == demo_db
+    assert spark.derby_path(urls[1][spark.METASTORE_URL_KEY]) == f"{tmp_path}/lake/_metastore/metastore_db"
+    assert urls[1]["spark.sql.warehouse.dir"] == f"{tmp_path}/lake/warehouse"
+    assert urls[1][spark.JAVA_OPTIONS_KEY] == f"-Dderby.system.home={tmp_path}/lake/_metastore"
+
+
+def test_a_metastore_named_in_the_settings_wins_and_a_remote_lake_is_refused(tmp_path):
+    own = spark.with_metastore(config.load("local"), str(tmp_path))
+    assert spark.with_lake_metastore(own) is own
+    remote = config.apply_overrides(config.load("local"), {"CDC__LAKE__ROOT": "abfss://lake@acct.dfs.core.windows.net/cdc"})
+    with pytest.raises(config.ConfigError, match="spark.local_metastore: false"):
+        spark.with_lake_metastore(remote)
