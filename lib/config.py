@@ -117,6 +117,8 @@ DEFAULTS: dict[str, object] = {
     "service.stop_grace_s": 45.0,  # how long the merge waits for a running micro-batch before stopping
     "monitor.warn_retained_wal_bytes": 1 << 30,
     "masking": {},
+    "views.actors": {},  # schema.table -> the column that says who changed a row (lib/views/changes.py)
+    "views.actor_columns": ["updated_by", "modified_by", "changed_by", "last_modified_by", "created_by"],
     "debezium": {},
     "spark.app_name": "cdc-pipeline",
     "spark.jars_dir": None,

@@ -51,12 +51,30 @@ def bronze(conf: dict, spark: SparkSession, table: str) -> DataFrame:
     return spark.read.format("delta").load(lake_paths.bronze_path(conf, lake_paths.table_spec(conf, table)))
 
 
-def key_history(conf: dict, spark: SparkSession, table: str, key: dict) -> DataFrame:
+def busiest_key(conf: dict, spark: SparkSession, table: str) -> dict | None:
+    """The key with the most events in a table's bronze (ties: the smallest key); None when bronze is empty."""
+    row = bronze(conf, spark, table).filter(F.col("op").isNotNull()).groupBy("key").count() \
+        .orderBy(F.desc("count"), "key").first()
+    return row["key"].asDict() if row is not None else None
+
+
+def silver_key(conf: dict, spark: SparkSession, table: str, key: dict | None) -> DataFrame:
+    """The silver row of one key (a dict of primary key fields), soft-deleted or not; no row for None."""
+    frame = silver(conf, spark, table, include_deleted=True)
+    condition = F.lit(key is not None)
+    for name, value in (key or {}).items():
+        condition = condition & (F.col(name) == F.lit(value))
+    return frame.filter(condition)
+
+
+def key_history(conf: dict, spark: SparkSession, table: str, key: dict | None) -> DataFrame:
     """Bronze events and tombstones of one key (a dict of primary key fields) in the order they arrived,
     each with its source position (commit_lsn, event_serial; ``position`` as text), transaction and commit time."""
     frame = bronze(conf, spark, table)
     fields = frame.schema["key"].dataType.fieldNames()
-    if sorted(key) != sorted(fields):
+    if key is None:  # no key to follow (an empty table): no events
+        frame, key = frame.filter(F.lit(False)), {}
+    elif sorted(key) != sorted(fields):
         raise MergeError(f"key of {table} is ({', '.join(fields)}), not ({', '.join(key)}): pass every key field")
     for name, value in key.items():
         frame = frame.filter(F.col("key").getField(name) == F.lit(value))

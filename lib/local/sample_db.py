@@ -18,6 +18,7 @@ from psycopg2 import sql
 from psycopg2.extras import execute_values
 
 from lib.local import sample_data, sample_rows
+from lib.operate.examples import SAMPLE_MARK
 
 DDL_PATH = Path(__file__).with_name("sample_bank.sql")
 SCHEMA = "bank"
@@ -55,6 +56,13 @@ def create_schema(conn) -> None:
     with conn.cursor() as cur:
         cur.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
         cur.execute(DDL_PATH.read_text(encoding="utf-8"))
+    mark(conn)
+
+
+def mark(conn) -> None:
+    """Mark schema bank as the local sample: the only place the notebooks write demo rows (lib/operate/examples.py)."""
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL("COMMENT ON SCHEMA {} IS %s").format(sql.Identifier(SCHEMA)), (SAMPLE_MARK,))
     conn.commit()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +36,14 @@ def run_dir(runs_dir: Path) -> Path:
     raise FileExistsError(f"too many job runs started at {stamp} in {runs_dir}")
 
 
+def kernel_config(folder: str):
+    """Kernel manager settings: talk to the kernel over Unix sockets in folder (a kernel on TCP, even on
+    localhost, warns that its traffic is unencrypted)."""
+    from traitlets.config import Config
+
+    return Config({"KernelManager": {"transport": "ipc", "ip": str(Path(folder) / "kernel")}})
+
+
 def run(target: str = "local", only: list[str] | None = None, parameters: dict | None = None,
         log=print, folder: Path = NOTEBOOKS) -> list[dict]:
     """Execute the notebooks in order with papermill; stop at the first failure."""
@@ -43,13 +52,15 @@ def run(target: str = "local", only: list[str] | None = None, parameters: dict |
     conf = config.load(target)
     out_dir = run_dir(config.project_path(config.get(conf, "jobs.runs_dir")))
     results = []
+    sockets = tempfile.TemporaryDirectory(prefix="cdc-kernel-")
     for path in notebooks(only, folder):
         output = out_dir / path.name
         began = time.monotonic()
         log(f"job       {path.stem}: running (executed copy: {output})")
         try:
             papermill.execute_notebook(str(path), str(output), parameters={"target": target, **(parameters or {})},
-                                       cwd=str(folder), progress_bar=False, kernel_name="python3")
+                                       cwd=str(folder), progress_bar=False, kernel_name="python3",
+                                       config=kernel_config(sockets.name))
         except papermill.PapermillExecutionError as exc:
             results.append({"notebook": path.stem, "ok": False, "seconds": time.monotonic() - began,
                             "output": output, "error": f"{exc.ename}: {exc.evalue}"})
@@ -57,6 +68,7 @@ def run(target: str = "local", only: list[str] | None = None, parameters: dict |
             break
         results.append({"notebook": path.stem, "ok": True, "seconds": time.monotonic() - began, "output": output})
         log(f"job       {path.stem}: done in {results[-1]['seconds']:.1f} s")
+    sockets.cleanup()
     return results
 
 

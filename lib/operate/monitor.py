@@ -39,25 +39,30 @@ from lib.operate import keeper, metrics
 FRESH_FACTOR = 3  # a service's last record counts as current for this many metrics intervals
 
 
-def plot(conf: dict, frame=None, minutes: float | None = None):
-    """A matplotlib figure of the history: events/s in and out, slot lag and retained WAL, merge Kafka lag."""
+def plot(conf: dict, frame=None, minutes: float | None = None, since=None):
+    """A matplotlib figure of the history: events/s in and out, slot lag and retained WAL, merge Kafka lag
+    (the last minutes, or the records since a time such as the services' start)."""
     import matplotlib.pyplot as plt
     import pandas as pd
 
     frame = metrics.history(conf) if frame is None else frame
     if minutes and not frame.empty:
         frame = frame[frame["ts"] >= frame["ts"].max() - pd.Timedelta(minutes=minutes)]
+    if since is not None and not frame.empty:  # a naive time is UTC, like the records
+        start = pd.Timestamp(since)
+        frame = frame[frame["ts"] >= (start.tz_localize("UTC") if start.tzinfo is None else start.tz_convert("UTC"))]
     capture, merged = frame[frame["service"] == "capture"], frame[frame["service"] == "merge"]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    axes[0].plot(capture["ts"], capture["events_per_s"], label="into Kafka (capture)")
-    axes[0].plot(merged["ts"], merged["events_per_s"], label="into Delta (merge)")
+    line = {"marker": ".", "drawstyle": "steps-post"}  # a rate holds over the interval that ends at its record
+    axes[0].plot(capture["ts"], capture["events_per_s"], label="into Kafka (capture)", **line)
+    axes[0].plot(merged["ts"], merged["events_per_s"], label="into Delta (merge)", **line)
     axes[0].set_ylabel("events/s")
-    axes[1].plot(capture["ts"], capture["lag_bytes"] / 1e6, label="slot lag (not yet in Kafka)")
+    axes[1].plot(capture["ts"], capture["lag_bytes"] / 1e6, label="slot lag (not yet in Kafka)", marker=".")
     axes[1].plot(capture["ts"], capture["retained_wal_bytes"] / 1e6, label="WAL retained by the slot")
     warn = float(config.get(conf, "monitor.warn_retained_wal_bytes"))
     axes[1].axhline(warn / 1e6, color="red", linestyle=":", label="monitor.warn_retained_wal_bytes")
     axes[1].set_ylabel("MB")
-    axes[2].plot(merged["ts"], merged["kafka_lag"], label="merge: Kafka messages not yet in Delta")
+    axes[2].plot(merged["ts"], merged["kafka_lag"], label="merge: Kafka messages not yet in Delta", marker=".")
     axes[2].set_ylabel("messages")
     for ax in axes:
         ax.legend(loc="upper left", fontsize="small")

@@ -306,6 +306,81 @@ def history_select(table: str, schema, policy: dict, source: str, key_table: str
     return f"SELECT {', '.join(items)} FROM {source} AS `b`{join} WHERE `b`.`op` IS NOT NULL", names
 
 
+def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -> tuple[str, list[str]]:
+    """SELECT of the SCD type 2 view over bronze: one row per version of a key (c, u, r events; a duplicate
+    delivery counted once), valid from its commit until the key's next event, masked like the clean view.
+    The version's own columns (op, tx_id, commit_lsn, event_serial, valid_from, valid_to, is_current) get a
+    leading _ where the table has a column of that name."""
+    columns = bronze_columns(schema)
+    if columns is None or _field(schema, ("key",)) is None or _field(schema, ("source", "commit_lsn")) is None:
+        raise MaskingError(f"bronze table of {table} lacks key, after or source.commit_lsn; it does not follow "
+                           f"the bronze layout")
+    order = "PARTITION BY `e`.`__key` ORDER BY `e`.`__lsn`, `e`.`__serial`"
+    carried, items, names = [], [], []
+    for column, datatype in columns.items():
+        ref = f"`e`.`__after`.{quote(column)}"
+        if type_kind(datatype) in ("string", "binary", "complex"):  # TOASTable: an unchanged value is not sent
+            ref = (f"last(CASE WHEN array_contains(`e`.`__unchanged`, {sql_string(column)}) THEN NULL "
+                   f"ELSE named_struct('v', {ref}) END, true) OVER ({order} ROWS BETWEEN UNBOUNDED PRECEDING "
+                   f"AND CURRENT ROW).`v`")
+        carried.append(f"{ref} AS {quote(column)}")
+        expr = mask_expr(rule_for(policy, table, column), f"`v`.{quote(column)}", datatype,
+                         f"masking.tables.{table}.{column}")
+        if expr is not None:
+            items.append(f"{expr} AS {quote(column)}")
+            names.append(column)
+    meta = [("op", "`v`.`__op`"), ("tx_id", "`v`.`__tx`"), ("commit_lsn", "`v`.`__lsn`"),
+            ("event_serial", "`v`.`__serial`"), ("valid_from", "`v`.`__ts`"), ("valid_to", "`v`.`__to`"),
+            ("is_current", "`v`.`__to` IS NULL")]
+    for name, expr in meta:  # a source column of the same name keeps it: the version's column gets a leading _
+        while name in names:
+            name = "_" + name
+        items.append(f"{expr} AS {quote(name)}")
+        names.append(name)
+    events = (f"SELECT `b`.`key` AS `__key`, `b`.`op` AS `__op`, `b`.`after` AS `__after`, "
+              f"coalesce(`b`.`unchanged_cols`, array()) AS `__unchanged`, `b`.`source`.`commit_lsn` AS `__lsn`, "
+              f"`b`.`source`.`event_serial` AS `__serial`, timestamp_millis(`b`.`source`.`ts_ms`) AS `__ts`, "
+              f"`b`.`source`.`txId` AS `__tx`, row_number() OVER (PARTITION BY `b`.`key`, `b`.`source`.`commit_lsn`, "
+              f"`b`.`source`.`event_serial` ORDER BY `b`.`_kafka_offset`) AS `__copy` "
+              f"FROM {source} AS `b` WHERE `b`.`op` IS NOT NULL")
+    versions = (f"SELECT `e`.`__op`, `e`.`__tx`, `e`.`__lsn`, `e`.`__serial`, `e`.`__ts`, "
+                f"lead(`e`.`__ts`) OVER ({order}) AS `__to`, {', '.join(carried)} "
+                f"FROM ({events}) AS `e` WHERE `e`.`__copy` = 1")
+    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    return f"SELECT {', '.join(items)} FROM ({versions}) AS `v`{join} WHERE `v`.`__op` <> 'd'", names
+
+
+def view(conf: dict, table: str, kind: str, policy: dict | None = None) -> str:
+    """The name of one of a configured table's views: kind clean, history, scd2 (analysts) or full (privileged)."""
+    policy = load_policy(conf, policy)
+    if kind == "full":
+        database = policy.get("privileged_database") or DEFAULT_PRIVILEGED_DATABASE
+    else:
+        database = policy.get("database") or DEFAULT_DATABASE
+    names = view_names(catalog.qualified(entry) for entry in config.get(conf, "source.tables"))
+    return f"{database}.{names[catalog.qualified(table)]}_{kind}"
+
+
+def kept_columns(conf: dict, table: str, columns: Iterable[str], policy: dict | None = None) -> list[str]:
+    """Those of columns that the policy keeps as they are (safe to show in a kept notebook output)."""
+    policy = load_policy(conf, policy)
+    name = catalog.qualified(table)
+    return [column for column in columns if rule_for(policy, name, column) == "keep"]
+
+
+def visible(conf: dict, table: str, values: Mapping | None, policy: dict | None = None) -> dict | None:
+    """values (a row, a key) with only the columns the policy keeps as they are; None stays None."""
+    if values is None:
+        return None
+    return {column: values[column] for column in kept_columns(conf, table, values, policy)}
+
+
+def visible_event(conf: dict, table: str, event: Mapping, policy: dict | None = None) -> dict:
+    """An event (lib.capture.peek) whose key, before and after show only the columns the policy keeps."""
+    policy = load_policy(conf, policy)
+    return {**event, **{side: visible(conf, table, event.get(side), policy) for side in ("key", "before", "after")}}
+
+
 def view_names(tables: Iterable[str]) -> dict[str, str]:
     """Base view name per `schema.table`: the table name, `schema_table` when table names collide; characters
     a metastore refuses in a name (anything but letters, digits and _) become _. Names still shared: error."""
@@ -380,7 +455,7 @@ def ensure_key(conf: dict, spark, policy: dict) -> dict:
 
 
 def create_views(conf: dict, spark, policy: dict | None = None, tables: Iterable[str] | None = None) -> list[dict]:
-    """(Re)create the clean, full and history views of every table; returns one dict per view (and the key).
+    """(Re)create the clean, full, history and scd2 views of every table; returns one dict per view (and the key).
 
     tables defaults to conf's source.tables; a table whose silver (or bronze) Delta table
     does not exist yet gets `status: skipped` entries instead of views.
@@ -405,7 +480,7 @@ def create_views(conf: dict, spark, policy: dict | None = None, tables: Iterable
     results = [ensure_key(conf, spark, policy)] if uses_hash(policy) else []
     for schema in (database, private):
         spark.sql(f"CREATE SCHEMA IF NOT EXISTS {quote_name(schema)}")
-    where = {"clean": database, "history": database, "full": private}
+    where = {"clean": database, "history": database, "scd2": database, "full": private}
     names = view_names(tables)
     for table in tables:
         plans = []
@@ -419,8 +494,9 @@ def create_views(conf: dict, spark, policy: dict | None = None, tables: Iterable
         if bronze[table] is not None:
             plans.append(("history", bronze_source,
                           *history_select(table, bronze[table], policy, bronze_source, key_table)))
+            plans.append(("scd2", bronze_source, *scd2_select(table, bronze[table], policy, bronze_source, key_table)))
         else:
-            results.append(_skipped(database, names[table], "history", table, bronze_source))
+            results += [_skipped(database, names[table], kind, table, bronze_source) for kind in ("history", "scd2")]
         for kind, source, select, columns in plans:
             view = f"{where[kind]}.{names[table]}_{kind}"
             spark.sql(f"CREATE OR REPLACE VIEW {quote_name(view)} AS {select}")

@@ -95,6 +95,7 @@ def sample(conf: dict, customers: int = 200, seed: int = 7, reset: bool = False,
             sample_db.create_schema(conn)
             counts = sample_db.load(conn, customers=customers, seed=seed)
             log(f"sample    loaded {sum(counts.values())} rows into {len(counts)} tables (seed {seed})")
+        sample_db.mark(conn)  # also on a sample loaded before the mark existed
         pipeline = sql.Identifier(config.get(conf, "source.user"))
         schema = sql.Identifier(sample_db.SCHEMA)
         with conn.cursor() as cur:

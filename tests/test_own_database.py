@@ -1,0 +1,169 @@
+"""A database that is not the sample (issue 15): a small shop with its own conf file, run the way a user runs it.
+
+The test makes the database (a composite key, numeric, jsonb, timestamptz, a TOASTed text, a table keyed
+through source.keys), writes conf/<target>.yml into a folder of its own (CDC_CONF_DIR), runs all five
+notebooks as a job with `python -m lib.operate.jobs --target <it>`, then writes changes, catches up and
+checks that every table is exact, that the views follow the default-drop policy, and that no planted
+personal value appears in a view or in an executed notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import yaml
+from psycopg2 import sql
+
+from lib import config, source
+from lib.capture import stream
+from lib.lake import merge, reconcile
+from lib.operate import teardown
+from lib.views import changes, masking
+
+pytestmark = pytest.mark.stack
+
+CANARIES = ("canary-ada@shop.example", "Canary Lovelace", "canary-clerk-7")
+TABLES = ["shop.customers", "shop.orders", "shop.order_lines", "shop.audit_log"]
+DDL = """
+CREATE SCHEMA shop;
+CREATE TABLE shop.customers (customer_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, email text NOT NULL,
+    full_name text, tier text, updated_by text, created_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE shop.orders (order_id bigint PRIMARY KEY, customer_id bigint NOT NULL, placed_at timestamptz NOT NULL,
+    total numeric(12,2), details jsonb, note text, updated_by text);
+CREATE TABLE shop.order_lines (order_id bigint, line_no int, sku text NOT NULL, qty int NOT NULL,
+    price numeric(10,2), PRIMARY KEY (order_id, line_no));
+CREATE TABLE shop.audit_log (event_uuid uuid NOT NULL, happened_at timestamptz NOT NULL, action text,
+    payload jsonb);
+ALTER TABLE shop.audit_log REPLICA IDENTITY FULL;
+"""
+POLICY = {
+    "shop.customers": {"customer_id": "keep", "email": "hash", "tier": "keep", "updated_by": "hash",
+                       "created_at": "partial"},  # full_name: not listed, so dropped
+    "shop.orders": {"order_id": "keep", "customer_id": "keep", "placed_at": "keep", "total": "keep",
+                    "details": "keep", "updated_by": "hash"},  # note: dropped
+    "shop.audit_log": {"event_uuid": "keep", "happened_at": "keep", "action": "keep"},
+}  # shop.order_lines: not listed at all
+
+
+def _write_rows(cur, start: int, count: int, actor: str) -> None:
+    """Customers with their orders, lines and audit entries; every text a TOAST-sized note on the orders."""
+    for n in range(start, start + count):
+        cur.execute("INSERT INTO shop.customers (email, full_name, tier, updated_by) VALUES (%s, %s, %s, %s) "
+                    "RETURNING customer_id", (f"c{n}.{CANARIES[0]}", f"{CANARIES[1]} {n}", "gold", actor))
+        customer = cur.fetchone()[0]
+        note = uuid.uuid4().hex * 300  # 9.6 kB of hex: stored out of line (TOAST)
+        cur.execute("INSERT INTO shop.orders VALUES (%s, %s, now(), %s, %s, %s, %s)",
+                    (n, customer, f"{n}.25", json.dumps({"channel": "web", "items": [n, n + 1]}), note, actor))
+        for line in (1, 2):
+            cur.execute("INSERT INTO shop.order_lines VALUES (%s, %s, %s, %s, %s)",
+                        (n, line, f"SKU-{line}", line, 9.99))
+        cur.execute("INSERT INTO shop.audit_log VALUES (gen_random_uuid(), now(), 'order', %s)",
+                    (json.dumps({"order": n}),))
+
+
+@pytest.fixture(scope="module")
+def shop(live_stack, tmp_path_factory, drop_slot):
+    """The shop database with rows, its conf file in a folder of its own, and the job run on it."""
+    tag = uuid.uuid4().hex[:8]
+    database, target, folder = f"shop_{tag}", f"shop_{tag}", tmp_path_factory.mktemp("own_database")
+    admin = source.connect(live_stack, admin=True, dbname="postgres")
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+    owner = source.connect(live_stack, admin=True, dbname=database)
+    owner.autocommit = True
+    with owner.cursor() as cur:
+        cur.execute(DDL)
+        cur.execute(sql.SQL("GRANT USAGE ON SCHEMA shop TO {0}; GRANT SELECT ON ALL TABLES IN SCHEMA shop TO {0}")
+                    .format(sql.Identifier(config.get(live_stack, "source.user"))))
+        _write_rows(cur, 1, 20, CANARIES[2])
+    raw = yaml.safe_load((config.CONF_DIR / "local.yml").read_text())
+    raw.pop("stack")  # a user's database: the local stack's own section does not apply
+    raw["source"].update(database=database, slot=target, publication=target, tables=TABLES,
+                         keys={"shop.audit_log": ["event_uuid"]})
+    raw["kafka"]["topic_prefix"] = f"cdc-test-{tag}-shop"
+    raw["lake"]["root"] = str(folder / "lake")
+    raw["jobs"]["runs_dir"] = str(folder / "runs")
+    raw["service"]["dir"] = str(folder / "pipeline")
+    raw["masking"].update(database=f"shop_views_{tag}", privileged_database=f"shop_private_{tag}", tables=POLICY)
+    (folder / "conf").mkdir()
+    (folder / "conf" / f"{target}.yml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    env = {**os.environ, "CDC_CONF_DIR": str(folder / "conf")}
+    conf = config.load(target, conf_dir=folder / "conf", environ=env)
+    job = subprocess.run([sys.executable, "-m", "lib.operate.jobs", "--target", target], cwd=config.PROJECT_ROOT,
+                         env=env, capture_output=True, text=True, timeout=1500)
+    yield {"conf": conf, "owner": owner, "job": job, "runs": sorted((folder / "runs").glob("*/*.ipynb"))}
+    drop_slot(conf, target)
+    with owner.cursor() as cur:
+        cur.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(target)))
+    owner.close()
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
+    admin.close()
+    teardown.delete_prefix(conf, config.get(conf, "kafka.topic_prefix"))
+
+
+def test_all_five_notebooks_run_as_a_job_on_a_database_that_is_not_the_sample(shop):
+    job = shop["job"]
+    assert job.returncode == 0, f"job failed:\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}"
+    assert [path.stem for path in shop["runs"]] == ["01_bootstrap_slot", "02_snapshot", "03_stream_to_kafka",
+                                                     "04_merge_into_delta", "05_masking_views"]
+    text = "\n".join(path.read_text() for path in shop["runs"])
+    assert "demo writes skipped" in text and "bank.branches" not in job.stdout
+    assert "the sample bank is not configured (source.tables): the exercises below are skipped" in text
+
+
+def test_no_planted_personal_value_appears_in_an_executed_notebook(shop):
+    text = "\n".join(path.read_text() for path in shop["runs"])
+    assert [canary for canary in CANARIES if canary in text] == []
+
+
+def test_changes_after_the_job_arrive_exact_in_every_table(shop, spark_session):
+    conf = shop["conf"]
+    with shop["owner"].cursor() as cur:
+        _write_rows(cur, 21, 5, CANARIES[2])
+        cur.execute("UPDATE shop.orders SET total = total + 1 WHERE order_id <= 10")  # the TOASTed note unchanged
+        cur.execute("UPDATE shop.order_lines SET qty = qty + 3 WHERE line_no = 2 AND order_id % 3 = 0")
+        cur.execute("UPDATE shop.order_lines SET line_no = 9 WHERE order_id = 4 AND line_no = 1")  # a key changes
+        cur.execute("DELETE FROM shop.order_lines WHERE order_id = 5")
+        cur.execute("DELETE FROM shop.audit_log WHERE payload->>'order' = '6'")
+        cur.execute("UPDATE shop.customers SET tier = 'silver', updated_by = 'canary-clerk-8' WHERE customer_id <= 3")
+    stream.run(conf, until="caught_up", heartbeat_s=0)
+    merge.run_until_caught_up(conf, spark_session)
+    results = reconcile.reconcile(conf, spark_session)
+    assert [(r["table"], r["equal"]) for r in results] == [(table, True) for table in TABLES], results
+
+
+def test_views_follow_the_default_drop_policy_with_no_planted_value(shop, spark_session):
+    conf = shop["conf"]
+    built = masking.create_views(conf, spark_session)
+    assert sorted((r["kind"], r["status"]) for r in built if r["kind"] != "key") == sorted(
+        [(kind, "created") for kind in ("clean", "full", "history", "scd2")] * len(TABLES))
+    clean = {table: spark_session.table(masking.view(conf, table, "clean")) for table in TABLES}
+    assert clean["shop.customers"].columns == ["customer_id", "email", "tier", "updated_by", "created_at",
+                                               "_updated_at"]  # full_name: dropped by default
+    assert "note" not in clean["shop.orders"].columns and clean["shop.order_lines"].columns == ["_updated_at"]
+    scd2 = spark_session.table(masking.view(conf, "shop.customers", "scd2"))
+    assert "full_name" not in scd2.columns
+    for kind in ("clean", "history", "scd2"):
+        for table in TABLES:
+            rows = repr(spark_session.table(masking.view(conf, table, kind)).collect())
+            assert [c for c in CANARIES if c in rows] == [], (kind, table)
+    for table in TABLES:  # the current versions are the clean view's rows
+        current = spark_session.table(masking.view(conf, table, "scd2")).filter("is_current").count()
+        assert current == clean[table].count(), table
+
+
+def test_what_changed_today_names_who_by_the_actor_column_or_the_transaction(shop, spark_session):
+    conf = shop["conf"]
+    masking.create_views(conf, spark_session)
+    customers = changes.today(conf, spark_session, "shop.customers").collect()
+    assert customers and all(len(row["who"]) == 64 for row in customers)  # updated_by, hashed by the policy
+    lines = changes.today(conf, spark_session, "shop.order_lines").collect()
+    assert lines and all(row["who"] == str(row["tx_id"]) for row in lines)  # no actor column: the transaction
+    assert {row["op"] for row in lines} >= {"u", "d", "c"}
