@@ -103,8 +103,15 @@ def test_missing_table_and_missing_grant_are_named(bank_conf, scratch_database):
         _, findings = bootstrap.check(bank_conf)
         problem = failed(findings)["bank.cards: SELECT granted to cdc_pipeline"]
         assert problem.remedy == "GRANT SELECT ON bank.cards TO cdc_pipeline"
+        with admin.cursor() as cur:
+            cur.execute(sql.SQL("REVOKE USAGE ON SCHEMA bank FROM {}").format(user))
+        admin.commit()
+        _, findings = bootstrap.check(bank_conf)
+        assert failed(findings)["schema bank: USAGE granted to cdc_pipeline"].remedy == \
+            'GRANT USAGE ON SCHEMA "bank" TO "cdc_pipeline"'
     finally:
         with admin.cursor() as cur:
+            cur.execute(sql.SQL("GRANT USAGE ON SCHEMA bank TO {}").format(user))
             cur.execute(sql.SQL("GRANT SELECT ON bank.cards TO {}").format(user))
         admin.commit()
         admin.close()

@@ -77,10 +77,12 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
     """Every configured table exists, is readable by the pipeline role, has a key and mappable types."""
     names = list(config.get(conf, "source.tables"))
     try:
+        findings = schema_findings(conn, names, user)
+        if not all(finding.ok for finding in findings):  # the tables cannot even be looked up
+            return {}, findings
         tables = catalog.describe_tables(conn, names, config.get(conf, "source.keys"))
     except catalog.CatalogError as exc:
         return {}, [Finding("configured tables exist", False, str(exc), "fix source.tables (and source.keys) in conf")]
-    findings = []
     unknown_types = config.get(conf, "source.unknown_types")
     prefix = config.get(conf, "kafka.topic_prefix")
     with conn.cursor() as cur:
@@ -117,6 +119,22 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
     if tables and not shared:
         findings.append(Finding("one topic per table", True, f"{len(tables)} distinct topics"))
     return tables, findings
+
+
+def schema_findings(conn, names: list[str], user: str) -> list[Finding]:
+    """The pipeline role may use each schema of the configured tables (else it cannot even name them)."""
+    findings = []
+    with conn.cursor() as cur:
+        for schema in sorted({catalog.normalize(name)[0] for name in names}):
+            cur.execute("SELECT has_schema_privilege(%s, oid, 'USAGE') FROM pg_namespace WHERE nspname = %s",
+                        (user, schema))
+            row = cur.fetchone()
+            if row is None:
+                continue  # no such schema: the table lookup names the missing tables
+            findings.append(Finding(f"schema {schema}: USAGE granted to {user}", row[0], "yes" if row[0] else "no",
+                                    sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+                                        sql.Identifier(schema), sql.Identifier(user)).as_string(conn)))
+    return findings
 
 
 def declared_key_unique(conn, name: str, table: catalog.Table) -> Finding:

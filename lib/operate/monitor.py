@@ -60,7 +60,11 @@ def plot(conf: dict, frame=None, minutes: float | None = None, since=None):
     axes[1].plot(capture["ts"], capture["lag_bytes"] / 1e6, label="slot lag (not yet in Kafka)", marker=".")
     axes[1].plot(capture["ts"], capture["retained_wal_bytes"] / 1e6, label="WAL retained by the slot")
     warn = float(config.get(conf, "monitor.warn_retained_wal_bytes"))
-    axes[1].axhline(warn / 1e6, color="red", linestyle=":", label="monitor.warn_retained_wal_bytes")
+    if capture.empty or capture["retained_wal_bytes"].max() >= warn / 20:
+        axes[1].axhline(warn / 1e6, color="red", linestyle=":", label="monitor.warn_retained_wal_bytes")
+    else:  # far below the threshold: a line there would flatten the data
+        axes[1].plot([], [], color="red", linestyle=":", label=f"monitor.warn_retained_wal_bytes: {warn / 1e6:,.0f} MB "
+                                                                 f"(far above)")
     axes[1].set_ylabel("MB")
     axes[2].plot(merged["ts"], merged["kafka_lag"], label="merge: Kafka messages not yet in Delta", marker=".")
     axes[2].set_ylabel("messages")
