@@ -401,6 +401,27 @@ def _dash(value) -> str:
 # waiting
 
 
+def wait_until_recording(conf: dict, since, services: tuple[str, ...] = metrics.SERVICES, timeout_s: float = 300.0,
+                         poll_s: float = 1.0) -> float:
+    """Wait until every service has appended a metrics record after since (a UTC time): it runs and reports.
+    Returns the seconds waited; TimeoutError names the silent services and where to look."""
+    import pandas as pd
+
+    start = pd.Timestamp(since)
+    start = start.tz_localize("UTC") if start.tzinfo is None else start.tz_convert("UTC")
+    began = time.monotonic()
+    while True:
+        frame = metrics.history(conf)
+        heard = set(frame[frame["ts"] >= start]["service"]) if not frame.empty else set()
+        silent = [name for name in services if name not in heard]
+        if not silent:
+            return round(time.monotonic() - began, 1)
+        if time.monotonic() - began > timeout_s:
+            raise TimeoutError(f"{' and '.join(silent)} recorded no metrics within {timeout_s:.0f} s of starting; "
+                               f"their state and log: {config.make(conf, 'status')}")
+        time.sleep(poll_s)
+
+
 def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1.0) -> dict:
     """Wait until the slot confirmed the WAL position of now and the merge committed Kafka's end offsets.
 
