@@ -97,6 +97,7 @@ def bronze_schema(evolved):
         T.StructField("unchanged_cols", T.ArrayType(T.StringType())),
         T.StructField("_kafka_topic", T.StringType()), T.StructField("_kafka_partition", T.IntegerType()),
         T.StructField("_kafka_offset", T.LongType()), T.StructField("_kafka_timestamp", T.TimestampType()),
+        T.StructField("_batch_id", T.LongType()),
     ])
 
 
@@ -104,7 +105,7 @@ def event(op, before, after, tx, serial, offset, minutes):
     """One bronze row; tx None gives a tombstone-like source."""
     ts = int((T0 + dt.timedelta(minutes=minutes)).replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
     source = (ts, tx, 1000 + offset, 1000 + offset, serial, "bank", "customers", "false" if op != "r" else "true")
-    return ((before or after)[:1], before, after, op, source, [], "cdc.bank.bank.customers", 0, offset, T0)
+    return ((before or after)[:1], before, after, op, source, [], "cdc.bank.bank.customers", 0, offset, T0, offset)
 
 
 def hash_of(salt, text):
@@ -161,7 +162,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
         event("c", None, c2, 501, 0, 1, 1),
         event("u", c1_old, c1, 502, 0, 2, 2),    # REPLICA IDENTITY FULL: before carries the old email
         event("d", c2, None, 503, 0, 3, 3),      # full before of the deleted row
-        ((2,), None, None, None, None, None, "cdc.bank.bank.customers", 0, 4, T0),  # tombstone
+        ((2,), None, None, None, None, None, "cdc.bank.bank.customers", 0, 4, T0, 4),  # tombstone
     ], bronze_schema(False)).write.format("delta").save(bronze)
 
     out = {"spark": spark, "conf": test_conf, "policy": policy, "salt_a": salt_a, "salt_b": salt_b,
@@ -177,7 +178,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
         spark.createDataFrame([event("c", None, c3, 504, 0, 5, 4)], bronze_schema(True)) \
             .write.format("delta").mode("append").option("mergeSchema", "true").save(bronze)
         out["build2"] = masking.create_views(test_conf, spark, policy, tables=[TABLE, "bank.accounts"])
-        for kind in ("clean", "full", "history", "scd2"):
+        for kind in ("clean", "full", "history", "scd2", "fresh"):
             out[kind] = texts(spark, f"{private if kind == 'full' else database}.customers_{kind}")
         out["analyst_views"] = sorted(r["viewName"] for r in spark.sql(f"SHOW VIEWS IN {database}").collect())
         out["view_text"].append(view_texts(spark, f"{database}.customers_clean"))
@@ -204,7 +205,7 @@ def by_id(rows, column="customer_id"):
 
 
 def test_no_canary_in_clean_or_history_views(built):
-    for kind in ("clean1", "clean", "history", "scd2", "clean_b"):
+    for kind in ("clean1", "clean", "history", "scd2", "fresh", "clean_b"):
         assert built[kind], kind
         for _, text in built[kind]:
             leaked = [canary for canary in CANARIES if canary.lower() in text.lower()]
@@ -279,9 +280,10 @@ def test_results_name_views_keys_and_skipped_tables(built):
     created = [(r["kind"], r["view"]) for r in built["build2"] if r["status"] == "created"]
     database = built["database"]
     assert created == [("clean", f"{database}.customers_clean"), ("full", f"{built['private']}.customers_full"),
-                       ("history", f"{database}.customers_history"), ("scd2", f"{database}.customers_scd2")]
+                       ("history", f"{database}.customers_history"), ("scd2", f"{database}.customers_scd2"),
+                       ("fresh", f"{database}.customers_fresh")]
     skipped = sorted(r["kind"] for r in built["build2"] if r["status"] == "skipped")
-    assert skipped == ["clean", "full", "history", "scd2"]  # bank.accounts has no silver/bronze yet
+    assert skipped == ["clean", "fresh", "full", "history", "scd2"]  # bank.accounts has no silver/bronze yet
     keys = [r for r in built["build1"] + built["build2"] + built["build3"] if r["kind"] == "key"]
     assert [k["status"] for k in keys] == ["written", "unchanged", "written"]
     assert keys[0]["key_id"] == keys[1]["key_id"] != keys[2]["key_id"]
@@ -346,7 +348,7 @@ def test_view_names_and_quoting():
 
 def test_the_analysts_schema_holds_masked_views_only(built):
     # bank.accounts: no silver yet
-    assert built["analyst_views"] == ["customers_clean", "customers_history", "customers_scd2"]
+    assert built["analyst_views"] == ["customers_clean", "customers_fresh", "customers_history", "customers_scd2"]
 
 
 def test_privileged_views_may_not_share_the_analysts_schema(built):

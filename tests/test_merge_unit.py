@@ -590,3 +590,13 @@ def test_a_widened_column_turns_type_widening_on_and_keeps_every_value(unit_conf
     assert [_protocol(p).get("readerFeatures", []) for p in paths] == [["typeWidening"]] * 2
     admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
     admin.delete_topics([control.topic(conf)])[control.topic(conf)].result(30)
+
+
+def test_a_restart_after_sparks_known_kafka_metrics_failure_says_so_in_one_line():
+    captured = RuntimeError("[STREAM_FAILED] ... java.lang.NullPointerException: Cannot invoke")
+    captured._stackTrace = ("java.lang.NullPointerException\n"
+                            "\tat org.apache.spark.sql.kafka010.KafkaMicroBatchStream.metrics(Unknown)")
+    known = merge.restart_reason(captured, 1)
+    assert "SPARK-55271" in known and "nothing is lost" in known and "\n" not in known
+    other = merge.restart_reason(RuntimeError("the broker went away\nmore"), 3)
+    assert other == "stopped by Spark after 3 batch(es) (the broker went away); starting it again from the checkpoint"

@@ -63,7 +63,7 @@ def test_a_quoted_mixed_case_table_with_a_quote_in_a_column_goes_end_to_end(smal
               "tables": {f'{src.schema}."My Table"': {"id": "keep", "it_s": "redact"}}}  # silver: Avro names
     built = masking.create_views(conf, spark_session, policy)
     assert sorted((r["kind"], r["status"]) for r in built) == [("clean", "created")] * 2 + [
-        ("full", "created")] * 2 + [("history", "created")] * 2 + [("scd2", "created")] * 2
+        ("fresh", "created")] * 2 + [("full", "created")] * 2 + [("history", "created")] * 2 + [("scd2", "created")] * 2
     clean = spark_session.table(f"names_v_{tag}.my_table_clean").orderBy("id").collect()
     assert [(r["id"], r["it_s"]) for r in clean] == [(1, "[REDACTED]"), (3, "[REDACTED]")]
     for schema in (policy["database"], policy["privileged_database"]):

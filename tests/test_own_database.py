@@ -21,7 +21,7 @@ from psycopg2 import sql
 
 from lib import config, source
 from lib.capture import stream
-from lib.lake import merge, reconcile
+from lib.lake import merge, micro_batch, reconcile
 from lib.operate import teardown
 from lib.views import changes, masking
 
@@ -123,6 +123,35 @@ def test_no_planted_personal_value_appears_in_an_executed_notebook(shop):
     assert [canary for canary in CANARIES if canary in text] == []
 
 
+def test_the_fresh_view_equals_the_source_while_silver_waits_for_the_merge(shop, spark_session, monkeypatch):
+    conf, tag = shop["conf"], uuid.uuid4().hex[:6]
+    with shop["owner"].cursor() as cur:
+        cur.execute("UPDATE shop.orders SET total = total * 2 WHERE order_id % 4 = 0")  # the TOASTed note unchanged
+        cur.execute("DELETE FROM shop.order_lines WHERE order_id = 7")
+        cur.execute("INSERT INTO shop.audit_log VALUES (gen_random_uuid(), now(), 'fresh', '{}')")
+        _write_rows(cur, 101, 2, CANARIES[2])
+    stream.run(conf, until="caught_up", heartbeat_s=0)
+
+    def held_back(*args, **kwargs):
+        raise RuntimeError("silver held back by the test")
+
+    monkeypatch.setattr(micro_batch, "_write_silver", held_back)  # bronze gets the batch, silver does not
+    with pytest.raises(Exception, match="silver held back"):
+        merge.run_until_caught_up(conf, spark_session)
+    monkeypatch.undo()
+    keep = {"database": f"fresh_v_{tag}", "privileged_database": f"fresh_p_{tag}", "default": "keep"}
+    masking.create_views(conf, spark_session, keep)
+    fresh = {table: spark_session.table(masking.view(conf, table, "fresh", keep)) for table in TABLES}
+    assert [r["equal"] for r in reconcile.reconcile(conf, spark_session, against=fresh)] == [True] * len(TABLES)
+    assert not all(r["equal"] for r in reconcile.reconcile(conf, spark_session))  # silver is behind
+    merge.run_until_caught_up(conf, spark_session)
+    assert [r["equal"] for r in reconcile.reconcile(conf, spark_session)] == [True] * len(TABLES)
+    for table in TABLES:  # and once merged, the fresh view holds what the clean view holds
+        clean = spark_session.table(masking.view(conf, table, "clean", keep)).drop("_updated_at")
+        now = fresh[table].drop("_commit_lsn", "_event_serial")
+        assert now.exceptAll(clean).count() == clean.exceptAll(now).count() == 0, table
+
+
 def test_changes_after_the_job_arrive_exact_in_every_table(shop, spark_session):
     conf = shop["conf"]
     with shop["owner"].cursor() as cur:
@@ -143,14 +172,14 @@ def test_views_follow_the_default_drop_policy_with_no_planted_value(shop, spark_
     conf = shop["conf"]
     built = masking.create_views(conf, spark_session)
     assert sorted((r["kind"], r["status"]) for r in built if r["kind"] != "key") == sorted(
-        [(kind, "created") for kind in ("clean", "full", "history", "scd2")] * len(TABLES))
+        [(kind, "created") for kind in ("clean", "full", "history", "scd2", "fresh")] * len(TABLES))
     clean = {table: spark_session.table(masking.view(conf, table, "clean")) for table in TABLES}
     assert clean["shop.customers"].columns == ["customer_id", "email", "tier", "updated_by", "created_at",
                                                "_updated_at"]  # full_name: dropped by default
     assert "note" not in clean["shop.orders"].columns and clean["shop.order_lines"].columns == ["_updated_at"]
     scd2 = spark_session.table(masking.view(conf, "shop.customers", "scd2"))
     assert "full_name" not in scd2.columns
-    for kind in ("clean", "history", "scd2"):
+    for kind in ("clean", "history", "scd2", "fresh"):
         for table in TABLES:
             rows = repr(spark_session.table(masking.view(conf, table, kind)).collect())
             assert [c for c in CANARIES if c in rows] == [], (kind, table)

@@ -24,7 +24,7 @@ SILVER_DDL = ("customer_id long, email string, city string, _commit_lsn long, _e
 ROW = "struct<customer_id:long,email:string,city:string>"
 BRONZE_DDL = (f"key struct<customer_id:long>, op string, before {ROW}, after {ROW}, "
               "source struct<ts_ms:long,txId:long,commit_lsn:long,event_serial:long,snapshot:string>, "
-              "unchanged_cols array<string>, _tombstone boolean, _kafka_offset long")
+              "unchanged_cols array<string>, _tombstone boolean, _kafka_offset long, _batch_id long")
 
 # First driver: silver and bronze as the merge leaves them, then the views.
 BUILD = """
@@ -118,10 +118,10 @@ def drivers(conf, tmp_path_factory):
         "conf": test_conf, "table": TABLE, "policy": policy, "policy_redact": redact, "policy_phone": phone,
         "silver_ddl": SILVER_DDL, "silver": [live + [100, -1, "r", False, None, None],
                                              gone + [120, 0, "d", True, None, None]],
-        "bronze_ddl": BRONZE_DDL, "bronze": [[[1], "r", None, live, source(100, "true"), [], False, 0],
-                                             [[2], "c", None, gone, source(110, "false"), [], False, 1],
-                                             [[2], "d", gone, None, source(120, "false"), [], False, 2],
-                                             [[2], None, None, None, None, None, True, 3]],
+        "bronze_ddl": BRONZE_DDL, "bronze": [[[1], "r", None, live, source(100, "true"), [], False, 0, 0],
+                                             [[2], "c", None, gone, source(110, "false"), [], False, 1, 0],
+                                             [[2], "d", gone, None, source(120, "false"), [], False, 2, 0],
+                                             [[2], None, None, None, None, None, True, 3, 0]],
         "silver_phone_ddl": SILVER_DDL + ", phone string",
         "silver_phone": [[3, "cy@example.net", "Ogdenville", 130, 0, "c", False, None, None, "+1-555-0100-1234"]],
     }
@@ -134,10 +134,10 @@ def drivers(conf, tmp_path_factory):
 def test_views_outlive_the_driver_that_built_them(drivers):
     built, reopened = drivers["built"]["results"], drivers["reopened"]
     assert all(r["persistent"] for r in built if r["kind"] != "key")
-    assert [r["status"] for r in built] == ["written", "created", "created", "created", "created"]
+    assert [r["status"] for r in built] == ["written"] + ["created"] * 5
     assert reopened["catalog"] == "hive"
     # the analysts' schema: masked views only
-    assert reopened["listed"] == ["customers_clean", "customers_history", "customers_scd2"]
+    assert reopened["listed"] == ["customers_clean", "customers_fresh", "customers_history", "customers_scd2"]
     assert "customers_full" in reopened["listed_private"]
     kept = reopened["kept"]
     assert kept["customers_clean"] == [{"customer_id": 1, "email": "***@example.com",
@@ -149,7 +149,7 @@ def test_views_outlive_the_driver_that_built_them(drivers):
 
 def test_rebuilding_with_the_same_policy_changes_nothing(drivers):
     reopened = drivers["reopened"]
-    assert [r["status"] for r in reopened["again"]] == ["unchanged", "created", "created", "created", "created"]
+    assert [r["status"] for r in reopened["again"]] == ["unchanged"] + ["created"] * 5
     assert reopened["again_text"] == reopened["text"]
     assert reopened["again_rows"] == reopened["kept"]["customers_clean"]
 

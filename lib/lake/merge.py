@@ -107,6 +107,18 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     return query
 
 
+def restart_reason(exc: BaseException, batches: int) -> str:
+    """One line on why Spark stopped a query that had run batches, and that it is started again."""
+    text = str(exc)
+    trace = getattr(exc, "_stackTrace", None) or ""  # PySpark's captured JVM stack (str() has it only when enabled)
+    if "NullPointerException" in text and "KafkaMicroBatchStream.metrics" in f"{text}\n{trace}":
+        return ("Spark 4.1.1's Kafka source failed to report progress after re-running the micro-batch an unclean "
+                "stop had left uncommitted (SPARK-55271); Spark had committed that batch first, so nothing is lost: "
+                "starting the query again from the checkpoint")
+    first = text.splitlines()[0][:300] if text else type(exc).__name__
+    return f"stopped by Spark after {batches} batch(es) ({first}); starting it again from the checkpoint"
+
+
 def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -> dict:
     """Run the merge with availableNow until every topic is caught up; returns batches and counts.
 
@@ -146,8 +158,8 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -
                     f"(the batch is retried, its Delta commits are idempotent)") from cause
             if not ctx.history or attempt == attempts:
                 raise
-            log.warning("merge query %s stopped by Spark after %s batch(es) (%s); starting it again (attempt %s of %s)",
-                        name, len(ctx.history), str(exc).splitlines()[0][:300], attempt + 1, attempts)
+            log.warning("merge query %s: %s (attempt %s of %s)", name, restart_reason(exc, len(ctx.history)),
+                        attempt + 1, attempts)
         finally:
             if query.isActive:
                 query.stop()

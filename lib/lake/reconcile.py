@@ -110,8 +110,10 @@ def declared_keys(conf: dict, specs: list) -> dict[str, list[str]]:
 
 
 def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, sample: int = 10,
-              dbname: str | None = None, chunk_rows: int = 50_000, conn=None) -> list[dict]:
-    """Compare every configured table (or those named) with its silver table.
+              dbname: str | None = None, chunk_rows: int = 50_000, conn=None,
+              against: dict[str, DataFrame] | None = None) -> list[dict]:
+    """Compare every configured table (or those named) with its silver table, or with the frame
+    ``against`` holds for it (such as the table's fresh view; its live rows, silver's column names).
 
     Returns per table: table, source_rows, silver_rows, equal, differences (up to ``sample`` dicts
     of the key columns plus ``kind``: missing_in_silver, extra_in_silver or different),
@@ -146,7 +148,9 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
             staging = lake_paths.lake_path(conf, "_reconcile", spec.schema, spec.name)
             src = _source_frame(spark, conn, table, fields, schema, staging, chunk_rows, unknown_types)
             path = lake_paths.silver_path(conf, spec)
-            if DeltaTable.isDeltaTable(spark, path):
+            if against and spec.qualified in against:
+                silver = against[spec.qualified]
+            elif DeltaTable.isDeltaTable(spark, path):
                 silver = spark.read.format("delta").load(path).filter(~F.col("_deleted"))
             else:
                 silver = spark.createDataFrame([], T.StructType([T.StructField(f.name, f.dataType)

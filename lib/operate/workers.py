@@ -155,13 +155,13 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                     f"checkpoint keeps the batch; fix the cause and start the merge again (the batch is retried, its "
                     f"Delta commits are idempotent)") from cause
             failures = 0 if ctx.history else failures + 1
-            error = str(query.exception()).splitlines()[0][:300]
+            exception = query.exception()
+            error = str(exception).splitlines()[0][:300]
             if failures > budget:
                 raise merge.MergeError(f"merge query {ctx.query} was stopped by Spark {failures} times in a row "
                                        f"without a micro-batch (last: {error}); see the log, fix the cause and start "
                                        f"it again")
-            log(f"merge     query stopped by Spark after {len(ctx.history)} batch(es) ({error}); starting it again "
-                f"from the checkpoint")
+            log(f"merge     query {merge.restart_reason(exception, len(ctx.history))}")
     finally:
         stop.restore()
 

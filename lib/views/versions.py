@@ -1,0 +1,128 @@
+"""Views that order a key's events by source position: every version of a row (SCD type 2) and the fresh
+view (silver plus the events the merge has not applied yet). Masked like the clean view (lib/views/policy.py).
+"""
+
+from __future__ import annotations
+
+from lib.lake.lake_paths import quote
+from lib.views.policy import (
+    KEY_COLUMN,
+    MaskingError,
+    bronze_columns,
+    data_fields,
+    field_at,
+    key_source,
+    mask_expr,
+    require_deleted,
+    rule_for,
+    sql_string,
+    type_kind,
+)
+
+
+def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -> tuple[str, list[str]]:
+    """SELECT of the SCD type 2 view over bronze: one row per version of a key (c, u, r events; a duplicate
+    delivery counted once), valid from its commit until the key's next event, masked like the clean view.
+    The version's own columns (op, tx_id, commit_lsn, event_serial, valid_from, valid_to, is_current) get a
+    leading _ where the table has a column of that name."""
+    columns = bronze_columns(schema)
+    if columns is None or field_at(schema, ("key",)) is None or field_at(schema, ("source", "commit_lsn")) is None:
+        raise MaskingError(f"bronze table of {table} lacks key, after or source.commit_lsn; it does not follow "
+                           f"the bronze layout")
+    order = "PARTITION BY `e`.`__key` ORDER BY `e`.`__lsn`, `e`.`__serial`"
+    carried, items, names = [], [], []
+    for column, datatype in columns.items():
+        ref = f"`e`.`__after`.{quote(column)}"
+        if type_kind(datatype) in ("string", "binary", "complex"):  # TOASTable: an unchanged value is not sent
+            ref = (f"last(CASE WHEN array_contains(`e`.`__unchanged`, {sql_string(column)}) THEN NULL "
+                   f"ELSE named_struct('v', {ref}) END, true) OVER ({order} ROWS BETWEEN UNBOUNDED PRECEDING "
+                   f"AND CURRENT ROW).`v`")
+        carried.append(f"{ref} AS {quote(column)}")
+        expr = mask_expr(rule_for(policy, table, column), f"`v`.{quote(column)}", datatype,
+                         f"masking.tables.{table}.{column}")
+        if expr is not None:
+            items.append(f"{expr} AS {quote(column)}")
+            names.append(column)
+    meta = [("op", "`v`.`__op`"), ("tx_id", "`v`.`__tx`"), ("commit_lsn", "`v`.`__lsn`"),
+            ("event_serial", "`v`.`__serial`"), ("valid_from", "`v`.`__ts`"), ("valid_to", "`v`.`__to`"),
+            ("is_current", "`v`.`__to` IS NULL")]
+    for name, expr in meta:  # a source column of the same name keeps it: the version's column gets a leading _
+        while name in names:
+            name = "_" + name
+        items.append(f"{expr} AS {quote(name)}")
+        names.append(name)
+    events = (f"SELECT `b`.`key` AS `__key`, `b`.`op` AS `__op`, `b`.`after` AS `__after`, "
+              f"coalesce(`b`.`unchanged_cols`, array()) AS `__unchanged`, `b`.`source`.`commit_lsn` AS `__lsn`, "
+              f"`b`.`source`.`event_serial` AS `__serial`, timestamp_millis(`b`.`source`.`ts_ms`) AS `__ts`, "
+              f"`b`.`source`.`txId` AS `__tx`, row_number() OVER (PARTITION BY `b`.`key`, `b`.`source`.`commit_lsn`, "
+              f"`b`.`source`.`event_serial` ORDER BY `b`.`_kafka_offset`) AS `__copy` "
+              f"FROM {source} AS `b` WHERE `b`.`op` IS NOT NULL")
+    versions = (f"SELECT `e`.`__op`, `e`.`__tx`, `e`.`__lsn`, `e`.`__serial`, `e`.`__ts`, "
+                f"lead(`e`.`__ts`) OVER ({order}) AS `__to`, {', '.join(carried)} "
+                f"FROM ({events}) AS `e` WHERE `e`.`__copy` = 1")
+    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    return f"SELECT {', '.join(items)} FROM ({versions}) AS `v`{join} WHERE `v`.`__op` <> 'd'", names
+
+
+def fresh_select(table: str, silver, bronze, policy: dict, silver_source: str, bronze_source: str,
+                 key_table: str) -> tuple[str, list[str]]:
+    """SELECT of the fresh view: silver's rows plus the bronze events the merge may not have applied to silver
+    yet, the newest per key by source position (kept as _commit_lsn, _event_serial), deleted keys hidden, masked
+    like the clean view.
+
+    A micro-batch appends to bronze and then MERGEs into silver, and batches run one after another, so
+    every event silver may lack is in the table's newest bronze batch (or, after a checkpoint was
+    reset, at or after silver's newest position): only those are read besides silver.
+    """
+    key = field_at(bronze, ("key",))
+    if key is None or field_at(bronze, ("_batch_id",)) is None or field_at(bronze, ("source", "commit_lsn")) is None:
+        raise MaskingError(f"bronze table of {table} lacks key, _batch_id or source.commit_lsn; it does not follow "
+                           f"the bronze layout")
+    require_deleted(silver, table)
+    keys = key.dataType.fieldNames()
+    data = data_fields(silver)
+    after = bronze_columns(bronze) or {}
+    from_silver, from_bronze = [], []
+    for field in data:
+        from_silver.append(f"`s`.{quote(field.name)} AS {quote(field.name)}")
+        if field.name in keys:
+            ref = f"`b`.`key`.{quote(field.name)}"
+        elif field.name in after:
+            ref = f"`b`.`after`.{quote(field.name)}"
+        else:
+            ref = f"CAST(NULL AS {field.dataType.simpleString()})"
+        from_bronze.append(f"{ref} AS {quote(field.name)}")
+    newest_batch = f"(SELECT max(`_batch_id`) FROM {bronze_source})"
+    merged_up_to = f"(SELECT coalesce(max(`_commit_lsn`), -1) FROM {silver_source})"
+    rows = (f"SELECT {', '.join(from_silver)}, `s`.`_commit_lsn` AS `__lsn`, `s`.`_event_serial` AS `__serial`, "
+            f"coalesce(`s`.`_deleted`, false) AS `__deleted`, CAST(array() AS array<string>) AS `__unchanged`, "
+            f"0 AS `__from` FROM {silver_source} AS `s` "
+            f"UNION ALL SELECT {', '.join(from_bronze)}, `b`.`source`.`commit_lsn`, `b`.`source`.`event_serial`, "
+            f"`b`.`op` = 'd', coalesce(`b`.`unchanged_cols`, array()), 1 FROM {bronze_source} AS `b` "
+            f"WHERE `b`.`op` IS NOT NULL AND (`b`.`_batch_id` = {newest_batch} "
+            f"OR `b`.`source`.`commit_lsn` >= {merged_up_to})")
+    by_key = ", ".join(f"`u`.{quote(k)}" for k in keys)
+    ascending = f"PARTITION BY {by_key} ORDER BY `u`.`__lsn`, `u`.`__serial`, `u`.`__from`"
+    carried = []
+    for field in data:
+        ref = f"`u`.{quote(field.name)}"
+        if field.name not in keys and type_kind(field.dataType) in ("string", "binary", "complex"):
+            ref = (f"last(CASE WHEN array_contains(`u`.`__unchanged`, {sql_string(field.name)}) THEN NULL "
+                   f"ELSE named_struct('v', {ref}) END, true) OVER ({ascending} ROWS BETWEEN UNBOUNDED PRECEDING "
+                   f"AND CURRENT ROW).`v`")
+        carried.append(f"{ref} AS {quote(field.name)}")
+    ranked = (f"SELECT {', '.join(carried)}, `u`.`__lsn`, `u`.`__serial`, `u`.`__deleted`, "
+              f"row_number() OVER (PARTITION BY {by_key} ORDER BY `u`.`__lsn` DESC, `u`.`__serial` DESC, "
+              f"`u`.`__from` DESC) AS `__rank` FROM ({rows}) AS `u`")
+    items, names = [], []
+    for field in data:
+        expr = mask_expr(rule_for(policy, table, field.name), f"`f`.{quote(field.name)}", field.dataType,
+                         f"masking.tables.{table}.{field.name}")
+        if expr is not None:
+            items.append(f"{expr} AS {quote(field.name)}")
+            names.append(field.name)
+    items += ["`f`.`__lsn` AS `_commit_lsn`", "`f`.`__serial` AS `_event_serial`"]  # the row's newest position
+    names += ["_commit_lsn", "_event_serial"]
+    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    return (f"SELECT {', '.join(items)} FROM ({ranked}) AS `f`{join} WHERE `f`.`__rank` = 1 AND NOT `f`.`__deleted`",
+            names)
