@@ -34,9 +34,13 @@ def _fresh(spark, silver_rows, bronze_rows, policy=POLICY):
     silver, bronze = f"silver_{tag}", f"bronze_{tag}"
     spark.createDataFrame(silver_rows, SILVER).createOrReplaceTempView(silver)
     spark.createDataFrame(bronze_rows, BRONZE).createOrReplaceTempView(bronze)
-    select, names = masking.fresh_select("shop.items", spark.table(silver).schema, spark.table(bronze).schema,
-                                         policy, silver, bronze, "unused.key")
-    return [r.asDict() for r in spark.sql(select).orderBy("id").collect()], names
+    try:
+        select, names = masking.fresh_select("shop.items", spark.table(silver).schema, spark.table(bronze).schema,
+                                             policy, silver, bronze, "unused.key")
+        return [r.asDict() for r in spark.sql(select).orderBy("id").collect()], names
+    finally:  # temporary views show in every SHOW VIEWS of this session
+        spark.catalog.dropTempView(silver)
+        spark.catalog.dropTempView(bronze)
 
 
 def test_the_newest_bronze_batch_shows_before_the_merge_has_applied_it(spark_session):

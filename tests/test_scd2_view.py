@@ -40,6 +40,7 @@ def versions(spark_session):
                                                            "qty": "keep", "updated_by": "keep"}}}
     select, names = masking.scd2_select("shop.items", spark_session.table(view).schema, policy, view, "unused.key")
     rows = [r.asDict() for r in spark_session.sql(select).orderBy("id", "commit_lsn").collect()]
+    spark_session.catalog.dropTempView(view)  # temporary views show in every SHOW VIEWS of this session
     return rows, names
 
 
