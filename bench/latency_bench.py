@@ -59,11 +59,13 @@ import bench_env  # noqa: E402 - the sibling module, found through the path set 
 from lib import config  # noqa: E402
 from lib import spark as spark_session  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
-from lib.lake import lake_paths, merge  # noqa: E402
+from lib.lake import lake_paths, merge, micro_batch, silver_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = "bank.transactions"
-STEPS = {"truncates": "control topic read", "_counts": "decode + count job", "merge_silver": "silver MERGE"}
+# where the foreachBatch body's steps live (lib/lake/micro_batch.py calls them by these module names)
+STEPS = {(micro_batch, "truncates"): "control topic read", (micro_batch, "_counts"): "decode + count job",
+         (silver_table, "merge_silver"): "silver MERGE"}
 PARTS = (("capture", "commit -> Kafka"), ("wait", "Kafka -> batch start"), ("bronze", "batch start -> bronze"),
          ("silver", "bronze -> silver"), ("total", "commit -> silver"))
 
@@ -144,11 +146,11 @@ def wait_merged(conf: dict, query, log, timeout_s: float = 900.0) -> None:
 def instrument() -> dict[str, float]:
     """Time steps of the merge's foreachBatch body (it runs in this process): seconds spent per step so far.
 
-    Wraps lib.lake.merge's step functions and DataFrameWriter.save (in the body only the bronze append saves;
+    Wraps the merge's step functions and DataFrameWriter.save (in the body only the bronze append saves;
     dead letters would too, and the bench has none) with timers, in this process only.
     """
     spent = {name: 0.0 for name in [*STEPS.values(), "bronze append"]}
-    targets = [(merge, function, label) for function, label in STEPS.items()]
+    targets = [(owner, function, label) for (owner, function), label in STEPS.items()]
     for owner, function, label in [*targets, (DataFrameWriter, "save", "bronze append")]:
         original = getattr(owner, function)
 
