@@ -163,10 +163,15 @@ def project_path(value: str | os.PathLike) -> Path:
     return path if path.is_absolute() else PROJECT_ROOT / path
 
 
+def is_remote(location: str) -> bool:
+    """True for a storage URI (abfss://, s3://, dbfs:/), False for a local path."""
+    return "://" in str(location) or str(location).startswith("dbfs:")
+
+
 def location(value: str) -> str:
     """A storage location from conf: URIs (abfss://, s3://, dbfs:/) and absolute paths as given,
     relative paths under the project root."""
     text = str(value)
-    if "://" in text or text.startswith("dbfs:"):
+    if is_remote(text):
         return text
     return str(project_path(text))

@@ -137,7 +137,7 @@ def with_lake_metastore(conf: dict) -> dict:
     if not config.get(conf, "spark.local_metastore") or METASTORE_URL_KEY in settings:
         return conf
     root = config.location(config.get(conf, "lake.root")).rstrip("/")
-    if "://" in root or root.startswith("dbfs:"):
+    if config.is_remote(root):
         raise config.ConfigError(
             f"spark.local_metastore keeps an embedded Derby metastore under lake.root, which must then be a local "
             f"folder, not {root}; in {conf.get('conf_file', 'conf')} set spark.local_metastore: false and point "

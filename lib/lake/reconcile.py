@@ -169,7 +169,7 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
             results.append({"table": spec.qualified, **result, "columns_compared": [f.name for f in types.fields],
                             "columns_only_in_silver": [f.name for f in have.values() if f.name.lower() not in wanted
                                                        and f.name not in META_COLUMNS]})
-            if "://" not in staging and not staging.startswith("dbfs:") and os.path.isdir(staging):
+            if not config.is_remote(staging) and os.path.isdir(staging):
                 shutil.rmtree(staging, ignore_errors=True)
     finally:
         if own:

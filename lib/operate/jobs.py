@@ -52,23 +52,22 @@ def run(target: str = "local", only: list[str] | None = None, parameters: dict |
     conf = config.load(target)
     out_dir = run_dir(config.project_path(config.get(conf, "jobs.runs_dir")))
     results = []
-    sockets = tempfile.TemporaryDirectory(prefix="cdc-kernel-")
-    for path in notebooks(only, folder):
-        output = out_dir / path.name
-        began = time.monotonic()
-        log(f"job       {path.stem}: running (executed copy: {output})")
-        try:
-            papermill.execute_notebook(str(path), str(output), parameters={"target": target, **(parameters or {})},
-                                       cwd=str(folder), progress_bar=False, kernel_name="python3",
-                                       config=kernel_config(sockets.name))
-        except papermill.PapermillExecutionError as exc:
-            results.append({"notebook": path.stem, "ok": False, "seconds": time.monotonic() - began,
-                            "output": output, "error": f"{exc.ename}: {exc.evalue}"})
-            log(f"job       {path.stem}: FAILED in cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
-            break
-        results.append({"notebook": path.stem, "ok": True, "seconds": time.monotonic() - began, "output": output})
-        log(f"job       {path.stem}: done in {results[-1]['seconds']:.1f} s")
-    sockets.cleanup()
+    with tempfile.TemporaryDirectory(prefix="cdc-kernel-") as sockets:  # the kernels' Unix sockets
+        for path in notebooks(only, folder):
+            output = out_dir / path.name
+            began = time.monotonic()
+            log(f"job       {path.stem}: running (executed copy: {output})")
+            try:
+                papermill.execute_notebook(str(path), str(output), parameters={"target": target, **(parameters or {})},
+                                           cwd=str(folder), progress_bar=False, kernel_name="python3",
+                                           config=kernel_config(sockets))
+            except papermill.PapermillExecutionError as exc:
+                results.append({"notebook": path.stem, "ok": False, "seconds": time.monotonic() - began,
+                                "output": output, "error": f"{exc.ename}: {exc.evalue}"})
+                log(f"job       {path.stem}: FAILED in cell {exc.exec_count}: {exc.ename}: {exc.evalue}")
+                break
+            results.append({"notebook": path.stem, "ok": True, "seconds": time.monotonic() - began, "output": output})
+            log(f"job       {path.stem}: done in {results[-1]['seconds']:.1f} s")
     return results
 
 

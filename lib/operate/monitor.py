@@ -39,18 +39,22 @@ from lib.operate import keeper, metrics
 FRESH_FACTOR = 3  # a service's last record counts as current for this many metrics intervals
 
 
-def plot(conf: dict, frame=None, minutes: float | None = None, since=None):
-    """A matplotlib figure of the history: events/s in and out, slot lag and retained WAL, merge Kafka lag
-    (the last minutes, or the records since a time such as the services' start)."""
-    import matplotlib.pyplot as plt
+def utc(when):
+    """A time as a UTC pandas Timestamp, comparable with the history's ``ts``; a naive time is taken as UTC."""
     import pandas as pd
 
+    stamp = pd.Timestamp(when)
+    return stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")
+
+
+def plot(conf: dict, frame=None, since=None):
+    """A matplotlib figure of the history (all of it, or the records since a time such as the services' start):
+    events/s in and out, slot lag and retained WAL, merge Kafka lag."""
+    import matplotlib.pyplot as plt
+
     frame = metrics.history(conf) if frame is None else frame
-    if minutes and not frame.empty:
-        frame = frame[frame["ts"] >= frame["ts"].max() - pd.Timedelta(minutes=minutes)]
-    if since is not None and not frame.empty:  # a naive time is UTC, like the records
-        start = pd.Timestamp(since)
-        frame = frame[frame["ts"] >= (start.tz_localize("UTC") if start.tzinfo is None else start.tz_convert("UTC"))]
+    if since is not None and not frame.empty:
+        frame = frame[frame["ts"] >= utc(since)]
     capture, merged = frame[frame["service"] == "capture"], frame[frame["service"] == "merge"]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     line = {"marker": ".", "drawstyle": "steps-post"}  # a rate holds over the interval that ends at its record
@@ -405,10 +409,7 @@ def wait_until_recording(conf: dict, since, services: tuple[str, ...] = metrics.
                          poll_s: float = 1.0) -> float:
     """Wait until every service has appended a metrics record after since (a UTC time): it runs and reports.
     Returns the seconds waited; TimeoutError names the silent services and where to look."""
-    import pandas as pd
-
-    start = pd.Timestamp(since)
-    start = start.tz_localize("UTC") if start.tzinfo is None else start.tz_convert("UTC")
+    start = utc(since)
     began = time.monotonic()
     while True:
         frame = metrics.history(conf)

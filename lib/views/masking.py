@@ -12,29 +12,24 @@ from lib import config, secrets
 from lib import spark as spark_lib
 from lib.capture import catalog
 from lib.lake.lake_paths import quote
-from lib.views.policy import (  # noqa: F401 - the policy's names are part of this module's interface
+from lib.views.policy import (  # noqa: F401 - REDACTED: part of this module's interface
     DEFAULT_DATABASE,
     DEFAULT_KEY_TABLE,
     DEFAULT_PRIVILEGED_DATABASE,
-    KEY_COLUMN,
     REDACTED,
-    RULES,
-    SILVER_META,
     MaskingError,
     bronze_columns,
     data_fields,
     derive_key,
     field_at,
     key_fingerprint,
-    key_source,
+    key_join,
     load_policy,
     mask_expr,
-    normalize_rule,
     quote_name,
     require_deleted,
     rule_for,
     sql_string,
-    type_kind,
     uses_hash,
     validate,
 )
@@ -63,7 +58,7 @@ def clean_select(table: str, schema, policy: dict, source: str, key_table: str) 
             names.append(name)
     if not items:
         raise MaskingError(f"clean view of {table}: every column is dropped and the table has no _updated_at")
-    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    join = key_join(items, key_table)
     text = (f"SELECT {', '.join(items)} FROM {source} AS `s`{join} "
             f"WHERE NOT coalesce(`s`.`_deleted`, false)")
     return text, names
@@ -102,7 +97,7 @@ def history_select(table: str, schema, policy: dict, source: str, key_table: str
             if expr is not None:
                 items.append(f"{expr} AS {quote(side + '_' + column)}")
                 names.append(f"{side}_{column}")
-    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    join = key_join(items, key_table)
     return f"SELECT {', '.join(items)} FROM {source} AS `b`{join} WHERE `b`.`op` IS NOT NULL", names
 
 

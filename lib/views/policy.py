@@ -214,6 +214,11 @@ def key_source(key_table: str) -> str:
     return f"(SELECT max(`key`) AS {quote(KEY_COLUMN)} FROM {quote_name(key_table)}) AS {quote(KEY_ALIAS)}"
 
 
+def key_join(items: list[str], key_table: str) -> str:
+    """` CROSS JOIN` of the hash key when one of a view's select items hashes, else nothing."""
+    return f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+
+
 def data_fields(schema) -> list:
     """Source columns of a silver schema (the merge's bookkeeping columns left out)."""
     return [field for field in schema.fields if field.name not in SILVER_META]

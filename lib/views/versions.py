@@ -6,18 +6,26 @@ from __future__ import annotations
 
 from lib.lake.lake_paths import quote
 from lib.views.policy import (
-    KEY_COLUMN,
     MaskingError,
     bronze_columns,
     data_fields,
     field_at,
-    key_source,
+    key_join,
     mask_expr,
     require_deleted,
     rule_for,
     sql_string,
     type_kind,
 )
+
+
+def carried(column: str, datatype, ref: str, unchanged: str, window: str) -> str:
+    """A row's value of column in a key's events in position order: a TOASTable value PostgreSQL did not resend
+    (column listed in the unchanged array) is taken from the newest event before that had it."""
+    if type_kind(datatype) not in ("string", "binary", "complex"):
+        return ref
+    return (f"last(CASE WHEN array_contains({unchanged}, {sql_string(column)}) THEN NULL ELSE named_struct('v', {ref}) "
+            f"END, true) OVER ({window} ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW).`v`")
 
 
 def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -> tuple[str, list[str]]:
@@ -30,14 +38,10 @@ def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -
         raise MaskingError(f"bronze table of {table} lacks key, after or source.commit_lsn; it does not follow "
                            f"the bronze layout")
     order = "PARTITION BY `e`.`__key` ORDER BY `e`.`__lsn`, `e`.`__serial`"
-    carried, items, names = [], [], []
+    values, items, names = [], [], []
     for column, datatype in columns.items():
-        ref = f"`e`.`__after`.{quote(column)}"
-        if type_kind(datatype) in ("string", "binary", "complex"):  # TOASTable: an unchanged value is not sent
-            ref = (f"last(CASE WHEN array_contains(`e`.`__unchanged`, {sql_string(column)}) THEN NULL "
-                   f"ELSE named_struct('v', {ref}) END, true) OVER ({order} ROWS BETWEEN UNBOUNDED PRECEDING "
-                   f"AND CURRENT ROW).`v`")
-        carried.append(f"{ref} AS {quote(column)}")
+        value = carried(column, datatype, f"`e`.`__after`.{quote(column)}", "`e`.`__unchanged`", order)
+        values.append(f"{value} AS {quote(column)}")
         expr = mask_expr(rule_for(policy, table, column), f"`v`.{quote(column)}", datatype,
                          f"masking.tables.{table}.{column}")
         if expr is not None:
@@ -58,9 +62,9 @@ def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -
               f"`b`.`source`.`event_serial` ORDER BY `b`.`_kafka_offset`) AS `__copy` "
               f"FROM {source} AS `b` WHERE `b`.`op` IS NOT NULL")
     versions = (f"SELECT `e`.`__op`, `e`.`__tx`, `e`.`__lsn`, `e`.`__serial`, `e`.`__ts`, "
-                f"lead(`e`.`__ts`) OVER ({order}) AS `__to`, {', '.join(carried)} "
+                f"lead(`e`.`__ts`) OVER ({order}) AS `__to`, {', '.join(values)} "
                 f"FROM ({events}) AS `e` WHERE `e`.`__copy` = 1")
-    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    join = key_join(items, key_table)
     return f"SELECT {', '.join(items)} FROM ({versions}) AS `v`{join} WHERE `v`.`__op` <> 'd'", names
 
 
@@ -103,15 +107,12 @@ def fresh_select(table: str, silver, bronze, policy: dict, silver_source: str, b
             f"OR `b`.`source`.`commit_lsn` >= {merged_up_to})")
     by_key = ", ".join(f"`u`.{quote(k)}" for k in keys)
     ascending = f"PARTITION BY {by_key} ORDER BY `u`.`__lsn`, `u`.`__serial`, `u`.`__from`"
-    carried = []
+    values = []
     for field in data:
         ref = f"`u`.{quote(field.name)}"
-        if field.name not in keys and type_kind(field.dataType) in ("string", "binary", "complex"):
-            ref = (f"last(CASE WHEN array_contains(`u`.`__unchanged`, {sql_string(field.name)}) THEN NULL "
-                   f"ELSE named_struct('v', {ref}) END, true) OVER ({ascending} ROWS BETWEEN UNBOUNDED PRECEDING "
-                   f"AND CURRENT ROW).`v`")
-        carried.append(f"{ref} AS {quote(field.name)}")
-    ranked = (f"SELECT {', '.join(carried)}, `u`.`__lsn`, `u`.`__serial`, `u`.`__deleted`, "
+        value = ref if field.name in keys else carried(field.name, field.dataType, ref, "`u`.`__unchanged`", ascending)
+        values.append(f"{value} AS {quote(field.name)}")
+    ranked = (f"SELECT {', '.join(values)}, `u`.`__lsn`, `u`.`__serial`, `u`.`__deleted`, "
               f"row_number() OVER (PARTITION BY {by_key} ORDER BY `u`.`__lsn` DESC, `u`.`__serial` DESC, "
               f"`u`.`__from` DESC) AS `__rank` FROM ({rows}) AS `u`")
     items, names = [], []
@@ -123,6 +124,6 @@ def fresh_select(table: str, silver, bronze, policy: dict, silver_source: str, b
             names.append(field.name)
     items += ["`f`.`__lsn` AS `_commit_lsn`", "`f`.`__serial` AS `_event_serial`"]  # the row's newest position
     names += ["_commit_lsn", "_event_serial"]
-    join = f" CROSS JOIN {key_source(key_table)}" if any(KEY_COLUMN in item for item in items) else ""
+    join = key_join(items, key_table)
     return (f"SELECT {', '.join(items)} FROM ({ranked}) AS `f`{join} WHERE `f`.`__rank` = 1 AND NOT `f`.`__deleted`",
             names)
