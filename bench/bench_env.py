@@ -15,15 +15,21 @@ server goes). The writer thus costs no client CPU, and its commit times are Post
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from psycopg2 import sql
 
 from lib import config, source
 from lib.capture import snapshot_slot
+from lib.lake import lake_paths
 from lib.local import sample_db
 from lib.operate import teardown
 
@@ -61,12 +67,15 @@ BEGIN
     END LOOP;
 END $$
 """
+REPO = Path(__file__).resolve().parents[1]
 
 
-def isolated(tables: list[str] | None = None, extra: dict | None = None) -> dict:
+def isolated(tables: list[str] | None = None, extra: dict | None = None, schema_sql: str | None = None,
+             schemas: tuple[str, ...] = ("bank",)) -> dict:
     """conf for a new database bench_<id> with the sample schema (small), the writer procedure and read grants.
 
-    tables: source.tables (default: conf's list, the sample's tables that have a key).
+    tables: source.tables (default: conf's list, the sample's tables that have a key). schema_sql: run
+    instead of loading the sample (it then creates ``schemas``, which the pipeline role may read).
     """
     run = uuid.uuid4().hex[:8]
     database = f"bench_{run}"
@@ -85,13 +94,19 @@ def isolated(tables: list[str] | None = None, extra: dict | None = None) -> dict
     admin.close()
     conn = source.connect(conf, admin=True)
     try:
-        sample_db.create_schema(conn)
-        sample_db.load(conn, customers=20)
+        if schema_sql is None:
+            sample_db.create_schema(conn)
+            sample_db.load(conn, customers=20)
+        else:
+            with conn.cursor() as cur:
+                cur.execute(schema_sql)
         pipeline = sql.Identifier(config.get(conf, "source.user"))
         with conn.cursor() as cur:
-            cur.execute(sql.SQL("GRANT USAGE ON SCHEMA bank TO {0}; GRANT SELECT ON ALL TABLES IN SCHEMA bank TO {0}")
-                        .format(pipeline))
-            cur.execute(WRITER_SQL)
+            for schema in schemas:
+                cur.execute(sql.SQL("GRANT USAGE ON SCHEMA {0} TO {1}; GRANT SELECT ON ALL TABLES IN SCHEMA {0} TO {1}")
+                            .format(sql.Identifier(schema), pipeline))
+            if schema_sql is None:
+                cur.execute(WRITER_SQL)
         conn.commit()
     finally:
         conn.close()
@@ -211,3 +226,64 @@ def cleanup(conf: dict, log=print) -> None:
         pipeline.close()
     doomed = teardown.delete_prefix(conf, prefix)
     log(f"cleanup: dropped database {database} and its {len(slots)} slot(s), {len(doomed)} topic(s) {prefix}*")
+
+
+def start_capture(conf: dict, folder: str, name: str = "capture", interval: float = 5) -> subprocess.Popen:
+    """python -m lib.capture.stream --until forever with this run's overrides; returns once the slot is caught up."""
+    env = {**os.environ, **conf["env"]}
+    out = open(os.path.join(folder, f"{name}.out"), "w")  # noqa: SIM115 - closed with the process
+    err = open(os.path.join(folder, f"{name}.err"), "w")  # noqa: SIM115
+    process = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--until", "forever", "--heartbeat-s", "10",
+                                "--interval", f"{interval:g}"], cwd=REPO, env=env, stdout=out, stderr=err)
+    wait_active(conf)
+    wait_confirmed(conf, wal_lsn(conf), timeout_s=300)
+    time.sleep(1.0)  # the first status messages and metrics have gone out: the process is settled
+    if process.poll() is not None:
+        raise RuntimeError(f"the capture exited with {process.returncode}: see {err.name}")
+    return process
+
+
+def stop_capture(process: subprocess.Popen, folder: str, name: str = "capture") -> str:
+    """SIGTERM (a graceful stop), wait, return the final summary line."""
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    text = Path(folder, f"{name}.out").read_text()
+    finals = [line for line in text.splitlines() if line.startswith("final ")]
+    if process.returncode != 0 or not finals:
+        raise RuntimeError(f"the capture ended with {process.returncode}: {Path(folder, f'{name}.err').read_text()}")
+    return finals[-1]
+
+
+def committed_offsets(conf: dict) -> dict[str, dict[str, int]]:
+    """Kafka offsets up to which the merge checkpoint has finished micro-batches: {topic: {partition: offset}}."""
+    folder = Path(lake_paths.checkpoint_path(conf, lake_paths.query_name(conf)))
+    done = [int(p.name) for p in (folder / "commits").iterdir() if p.name.isdigit()] if (folder / "commits").is_dir() \
+        else []
+    if not done:
+        return {}
+    lines = (folder / "offsets" / str(max(done))).read_text().splitlines()
+    offsets: dict[str, dict[str, int]] = {}
+    for line in lines[2:]:  # 'v1', the batch metadata, then one JSON line per source
+        if line.startswith("{"):
+            offsets.update(json.loads(line))
+    return offsets
+
+
+def topic_ends(conf: dict, topics: list[str]) -> dict[str, dict[str, int]]:
+    """Each topic's end offset per partition: {topic: {partition: offset}} (the form the checkpoint uses)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                         "group.id": f"bench-{time.monotonic_ns()}", "enable.auto.commit": False})
+    try:
+        metadata = consumer.list_topics(timeout=10).topics
+        return {topic: {str(p): consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                        for p in metadata[topic].partitions} for topic in topics}
+    finally:
+        consumer.close()
+
+
+def behind(ends: dict[str, dict[str, int]], read: dict[str, dict[str, int]]) -> int:
+    """Messages in ends that read (committed offsets) has not reached."""
+    return sum(max(0, end - int(read.get(topic, {}).get(p, 0))) for topic, parts in ends.items()
+               for p, end in parts.items())

@@ -35,13 +35,10 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,7 +54,6 @@ import bench_env  # noqa: E402 - the sibling module, found through the path set 
 from lib import config, control, schema_registry  # noqa: E402
 from lib.capture import avro_schemas, bootstrap, snapshot_slot, stream  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 TABLE = "bank.transactions"
 PHASES = ("backlog", "concurrent", "latency", "memory")
 
@@ -129,32 +125,6 @@ def profile(conf: dict, backlog: int, tx_rows: int, top: int, log) -> str:
     return text
 
 
-def start_capture(conf: dict, folder: str, name: str) -> subprocess.Popen:
-    """python -m lib.capture.stream --until forever with this run's overrides; returns once the slot is caught up."""
-    env = {**os.environ, **conf["env"]}
-    out = open(os.path.join(folder, f"{name}.out"), "w")  # noqa: SIM115 - closed with the process
-    err = open(os.path.join(folder, f"{name}.err"), "w")  # noqa: SIM115
-    process = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--until", "forever", "--heartbeat-s", "10",
-                                "--interval", "5"], cwd=REPO, env=env, stdout=out, stderr=err)
-    bench_env.wait_active(conf)
-    bench_env.wait_confirmed(conf, bench_env.wal_lsn(conf), timeout_s=300)
-    time.sleep(1.0)  # the first status messages and metrics have gone out: the process is settled
-    if process.poll() is not None:
-        raise RuntimeError(f"the capture exited with {process.returncode}: see {err.name}")
-    return process
-
-
-def stop_capture(process: subprocess.Popen, folder: str, name: str) -> str:
-    """SIGTERM (a graceful stop), wait, return the final summary line."""
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-    text = Path(folder, f"{name}.out").read_text()
-    finals = [line for line in text.splitlines() if line.startswith("final ")]
-    if process.returncode != 0 or not finals:
-        raise RuntimeError(f"the capture ended with {process.returncode}: {Path(folder, f'{name}.err').read_text()}")
-    return finals[-1]
-
-
 def _plain(schema):
     """The schema without logical types (the consumer only needs source.ts_ms; no datetime/Decimal objects)."""
     if isinstance(schema, list):
@@ -206,7 +176,7 @@ def consume(conf: dict, topic: str, expected: int, started: threading.Event, don
 
 def latency(conf: dict, folder: str, rate: float, seconds: float, tx_rows: int, log) -> dict:
     """Commit -> consumer and commit -> produce percentiles while the writer runs at rate rows/s."""
-    process = start_capture(conf, folder, "latency")
+    process = bench_env.start_capture(conf, folder, "latency")
     try:
         topic = avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), TABLE)
         expected = int(rate * seconds)
@@ -218,7 +188,7 @@ def latency(conf: dict, folder: str, rate: float, seconds: float, tx_rows: int, 
         write_s = bench_env.write(conf, expected, tx_rows, rate, tag="latency")
         done.set()
         reader.join(120)
-        final = stop_capture(process, folder, "latency")
+        final = bench_env.stop_capture(process, folder, "latency")
     except BaseException:
         process.kill()
         raise
@@ -252,7 +222,7 @@ def _status(pid: int) -> dict[str, int]:
 
 def memory(conf: dict, folder: str, rows: int, log) -> dict:
     """Peak resident memory of a capture process while one transaction of `rows` rows is written and streamed."""
-    process = start_capture(conf, folder, "memory")
+    process = bench_env.start_capture(conf, folder, "memory")
     samples: list[int] = []
     stop = threading.Event()
 
@@ -276,7 +246,7 @@ def memory(conf: dict, folder: str, rows: int, log) -> dict:
         peak = _status(process.pid)
         stop.set()
         sampler.join()
-        final = stop_capture(process, folder, "memory")
+        final = bench_env.stop_capture(process, folder, "memory")
     except BaseException:
         stop.set()
         process.kill()

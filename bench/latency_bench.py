@@ -41,8 +41,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,7 +59,6 @@ from lib import spark as spark_session  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths, merge, micro_batch, silver_table  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 TABLE = "bank.transactions"
 # where the foreachBatch body's steps live (lib/lake/micro_batch.py calls them by these module names)
 STEPS = {(micro_batch, "truncates"): "control topic read", (micro_batch, "_counts"): "decode + count job",
@@ -78,55 +75,10 @@ def prepare(folder: str, log) -> dict:
     return conf
 
 
-def start_capture(conf: dict, folder: str) -> subprocess.Popen:
-    """python -m lib.capture.stream --until forever, with this run's CDC__ overrides; waits until it streams."""
-    env = {**os.environ, **conf["env"]}
-    with open(os.path.join(folder, "capture.out"), "wb") as out, open(os.path.join(folder, "capture.err"), "wb") as err:
-        process = subprocess.Popen([sys.executable, "-m", "lib.capture.stream", "--until", "forever",
-                                    "--heartbeat-s", "10",
-                                    "--interval", "10"], cwd=REPO, env=env, stdout=out, stderr=err)
-    bench_env.wait_active(conf)
-    return process
-
-
-def stop_capture(process: subprocess.Popen, folder: str) -> str:
-    """SIGTERM (a graceful stop), wait; the capture's final summary line."""
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-    finals = [line for line in Path(folder, "capture.out").read_text().splitlines() if line.startswith("final ")]
-    if process.returncode != 0 or not finals:
-        raise RuntimeError(f"the capture ended with {process.returncode}: {Path(folder, 'capture.err').read_text()}")
-    return finals[-1]
-
-
-def committed_offsets(conf: dict) -> dict[str, dict[str, int]]:
-    """Kafka offsets up to which the merge checkpoint has finished micro-batches: {topic: {partition: offset}}."""
-    folder = Path(lake_paths.checkpoint_path(conf, lake_paths.query_name(conf)))
-    done = [int(p.name) for p in (folder / "commits").iterdir() if p.name.isdigit()] if (folder / "commits").is_dir() \
-        else []
-    if not done:
-        return {}
-    lines = (folder / "offsets" / str(max(done))).read_text().splitlines()
-    offsets: dict[str, dict[str, int]] = {}
-    for line in lines[2:]:  # 'v1', the batch metadata, then one JSON line per source
-        if line.startswith("{"):
-            offsets.update(json.loads(line))
-    return offsets
-
-
 def wait_merged(conf: dict, query, log, timeout_s: float = 900.0) -> None:
     """Wait until the merge query has finished batches up to the table topic's current end (every partition)."""
-    from confluent_kafka import Consumer, TopicPartition
-
     spec = lake_paths.table_specs(conf)[0]
-    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "group.id": f"bench-latency-{time.monotonic_ns()}", "enable.auto.commit": False})
-    try:
-        partitions = consumer.list_topics(spec.topic, timeout=10).topics[spec.topic].partitions
-        ends = {str(p): consumer.get_watermark_offsets(TopicPartition(spec.topic, p), timeout=10)[1]
-                for p in partitions}
-    finally:
-        consumer.close()
+    ends = bench_env.topic_ends(conf, [spec.topic])[spec.topic]
     deadline, seen = time.monotonic() + timeout_s, 0
     while time.monotonic() < deadline:
         if query.exception() is not None:
@@ -136,7 +88,7 @@ def wait_merged(conf: dict, query, log, timeout_s: float = 900.0) -> None:
             seen = len(history)
             log(f"  waiting for the merge to catch up: batch {history[-1]['batch_id']} took "
                 f"{history[-1].get('seconds')} s")
-        read = committed_offsets(conf).get(spec.topic, {})
+        read = bench_env.committed_offsets(conf).get(spec.topic, {})
         if all(int(read.get(p, -1)) >= end for p, end in ends.items()):
             return
         time.sleep(0.5)
@@ -335,7 +287,7 @@ def main(argv=None) -> None:
         began = time.monotonic()
         done = snapshot.run(conf, spark, log=lambda line: None)
         log(f"snapshot: {done['rows']} rows in {time.monotonic() - began:.1f} s")
-        capture = start_capture(conf, folder)
+        capture = bench_env.start_capture(conf, folder, interval=10)
         spent = instrument()
         for interval in args.intervals:
             phase = run_phase(conf, spark, interval, args, spent, log)
@@ -345,7 +297,7 @@ def main(argv=None) -> None:
             log(f"interval {interval:g} s: {phase['result']['events']} events, commit -> silver p50 {s['p50']:.2f} s, "
                 f"p99 {s['p99']:.2f} s; commit -> fresh view p50 {fresh['p50']:.2f} s, p99 {fresh['p99']:.2f} s")
             phases.append(phase)
-        log(stop_capture(capture, folder))
+        log(bench_env.stop_capture(capture, folder))
         capture = None
     finally:
         if capture is not None and capture.poll() is None:

@@ -96,7 +96,7 @@ DEFAULTS: dict[str, object] = {
     "snapshot.progress_s": 10.0,
     "snapshot.jdbc_options": {},
     "snapshot.kafka_options": {},
-    "merge.max_offsets_per_trigger": 100_000,
+    "merge.max_offsets_per_trigger": 1_000_000,
     "merge.parallelism": 4,  # a micro-batch's Delta writes run side by side
     "merge.tombstone_retention_hours": 168,
     "merge.cleanup_interval_minutes": 60,

@@ -167,6 +167,14 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
                    config.location(jars_dir) if jars_dir else None, settings)
 
 
+def cores(spark: SparkSession) -> int | None:
+    """Spark's default parallelism (the cores it runs tasks on); None where the session hides it (Spark Connect)."""
+    try:
+        return max(1, int(spark.sparkContext.defaultParallelism))
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
+        return None
+
+
 def derby_in_use(path: str) -> bool:
     """True when another process holds the exclusive lock of an embedded Derby database folder."""
     lock = os.path.join(path, "dbex.lck")

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from confluent_kafka.admin import AdminClient
 
 from lib import config, control, schema_registry, source
+from lib import spark as spark_session
 from lib.capture import avro_schemas, catalog, snapshot_read, snapshot_slot, snapshot_write
 from lib.capture.catalog import sql_ident
 from lib.capture.pgoutput import lsn_to_str
@@ -168,18 +169,10 @@ def _plan_all(conf: dict, spark, snapshot_name: str, tables: dict[str, catalog.T
     try:
         rows = int(config.get(conf, "snapshot.partition_rows"))
         most = int(config.get(conf, "snapshot.max_partitions"))
-        return {name: snapshot_read.plan_partitions(planner, table, rows, most, _parallelism(spark))
+        return {name: snapshot_read.plan_partitions(planner, table, rows, most, spark_session.cores(spark) or 2)
                 for name, table in tables.items()}
     finally:
         planner.close()
-
-
-def _parallelism(spark) -> int:
-    """Spark's default parallelism (its cores), or 2 where the session does not expose it (Spark Connect)."""
-    try:
-        return max(1, int(spark.sparkContext.defaultParallelism))
-    except Exception:
-        return 2
 
 
 def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:

@@ -26,18 +26,20 @@ def summary(conf: dict, spark: SparkSession) -> DataFrame:
         if not DeltaTable.isDeltaTable(spark, silver):
             frames.append(spark.createDataFrame([(spec.qualified, None, None, None, None, None, None)], out_schema))
             continue
-        events = spark.read.format("delta").load(bronze).filter(~F.col("_tombstone")).count() \
-            if DeltaTable.isDeltaTable(spark, bronze) else None
-        frames.append(spark.read.format("delta").load(silver).agg(
+        events = spark.read.format("delta").load(bronze).agg(
+            F.count(F.when(~F.col("_tombstone"), 1)).alias("bronze_events")) \
+            if DeltaTable.isDeltaTable(spark, bronze) else spark.range(1).select(F.lit(None).cast("long").alias(
+                "bronze_events"))
+        frames.append(spark.read.format("delta").load(silver).agg(  # one job for all tables, not one per table
             F.lit(spec.qualified).alias("table"), F.count(F.when(~F.col("_deleted"), 1)).alias("silver_rows"),
             F.count(F.when(F.col("_deleted"), 1)).alias("deleted_rows"),
             F.count(F.when(F.col("_unknown_cols").isNotNull() & ~F.col("_deleted"), 1)).alias("unknown_toast_rows"),
-            F.lit(events).cast("long").alias("bronze_events"), F.max("_commit_lsn").alias("last_commit_lsn"),
-            _lsn_text(F.max("_commit_lsn")).alias("last_lsn")))
+            F.max("_commit_lsn").alias("last_commit_lsn"), _lsn_text(F.max("_commit_lsn")).alias("last_lsn"))
+            .crossJoin(events))
     result = frames[0]
     for frame in frames[1:]:
         result = result.unionByName(frame)
-    return result
+    return result.select(*[part.split()[0] for part in out_schema.split(", ")])
 
 
 def silver(conf: dict, spark: SparkSession, table: str, include_deleted: bool = False) -> DataFrame:

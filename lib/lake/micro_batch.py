@@ -17,6 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from lib import config, control
+from lib import spark as spark_session
 from lib.lake import bronze_table, decode, delta_io, lake_paths, silver_table, writer_schemas
 from lib.lake.lake_paths import MergeError, TableSpec
 from lib.lake.writer_schemas import Layout, Schemas
@@ -104,7 +105,10 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     app = _app_id(ctx, spark)
     began = time.monotonic()
     control_topic = control.topic(ctx.conf)
-    raw = decode.headers(batch).persist()
+    # one cached partition per core, not one per topic-partition: every table's decode, append and MERGE
+    # scans this cache, and with many tables the tasks, not the rows, were the cost (docs/merge.md)
+    cores = spark_session.cores(spark)
+    raw = decode.headers(batch.coalesce(cores) if cores else batch).persist()
     frames = [raw]
     try:
         present = {row["topic"]: row for row in raw.groupBy("topic").agg(
