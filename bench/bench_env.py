@@ -254,6 +254,19 @@ def stop_capture(process: subprocess.Popen, folder: str, name: str = "capture") 
     return finals[-1]
 
 
+def finish(conf: dict, folder: str, spark=None, capture: subprocess.Popen | None = None, log=print) -> None:
+    """End a run whatever happened: kill a capture still running, stop Spark, drop what the run made, remove folder."""
+    import shutil
+
+    if capture is not None and capture.poll() is None:
+        capture.kill()
+        capture.wait(30)
+    if spark is not None:
+        spark.stop()
+    cleanup(conf, log)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def committed_offsets(conf: dict) -> dict[str, dict[str, int]]:
     """Kafka offsets up to which the merge checkpoint has finished micro-batches: {topic: {partition: offset}}."""
     folder = Path(lake_paths.checkpoint_path(conf, lake_paths.query_name(conf)))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -265,13 +264,7 @@ def main(argv=None) -> None:
         log(bench_env.stop_capture(capture, folder))
         capture = None
     finally:
-        if capture is not None and capture.poll() is None:
-            capture.kill()
-            capture.wait(30)
-        if spark is not None:
-            spark.stop()
-        bench_env.cleanup(conf, log)
-        shutil.rmtree(folder, ignore_errors=True)
+        bench_env.finish(conf, folder, spark, capture, log)
     print()
     print(report(args, rows, churned, load_before, bench_env.machine()))
 
