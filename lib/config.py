@@ -85,10 +85,18 @@ DEFAULTS: dict[str, object] = {
     "source.spool_dir": None,  # where in-progress streamed transactions are spooled (None: the temp dir)
     "source.incremental_chunk_rows": 10_000,  # rows per chunk of an incremental snapshot
     "source.incremental_check_s": 10.0,  # how often the capture looks for incremental snapshot requests
+    "source.sslmode": None,  # libpq's sslmode (None: libpq's default, prefer); verify-full for a managed server
+    "source.sslrootcert": None,  # PEM file of the server's CA, for sslmode verify-ca / verify-full
     "kafka.partitions": 1,
     "kafka.delete_retention_ms": 7 * 24 * 3600 * 1000,  # how long a tombstone stays before compaction drops it
     "kafka.producer": None,  # librdkafka settings over the capture's defaults
+    "kafka.security_protocol": "PLAINTEXT",  # SSL, SASL_PLAINTEXT or SASL_SSL (lib/kafka_client.py)
+    "kafka.sasl_mechanism": None,  # PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512
+    "kafka.sasl_username": None,
+    "kafka.sasl_password": None,  # a secret reference
+    "kafka.ssl_ca_location": None,  # PEM file of the brokers' CA (None: the system's trust store)
     "registry.user": None,
+    "registry.ssl_ca_location": None,  # PEM file of the registry's CA (None: the system's trust store)
     "snapshot.fetch_size": 10_000,
     "snapshot.partition_rows": 250_000,  # rows per Spark partition when a table is split by key range
     "snapshot.max_partitions": 200,

@@ -28,10 +28,9 @@ import socket
 import sys
 import time
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import OFFSET_BEGINNING, KafkaException, Producer, TopicPartition
 
-from lib import config, topics
+from lib import config, kafka_client, topics
 
 
 class ControlError(RuntimeError):
@@ -45,15 +44,14 @@ def topic(conf: dict) -> str:
 
 def ensure(conf: dict) -> str:
     """Create the control topic (compacted, one partition) if missing; returns 'created' or 'exists'."""
-    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    admin = kafka_client.admin(conf)
     name = topic(conf)
     return topics.ensure_topics(admin, [name], partitions=1)[name]
 
 
 def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> None:
     """Write one record (None writes a tombstone) and wait until Kafka acknowledged it."""
-    producer = Producer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "enable.idempotence": True, "acks": "all"})
+    producer = Producer(kafka_client.settings(conf, **{"enable.idempotence": True, "acks": "all"}))
     failures = []
     value = None if record is None else json.dumps(record, sort_keys=True).encode()
     producer.produce(topic(conf), key=key.encode(), value=value,
@@ -67,9 +65,7 @@ def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> Non
 
 def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
     """Every key's latest record (tombstoned keys left out), read from the start to the end."""
-    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "group.id": f"cdc-control-reader-{time.monotonic_ns()}", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest"})
+    consumer = kafka_client.consumer(conf, "cdc-control-reader", **{"auto.offset.reset": "earliest"})
     name = topic(conf)
     try:
         try:
@@ -176,8 +172,7 @@ class Tail:
         self.name = topic(conf)
         self.records: dict[str, dict] = {}
         self._bad: dict[str, str] = {}
-        self._consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                                   "group.id": f"cdc-control-tail-{time.monotonic_ns()}", "enable.auto.commit": False})
+        self._consumer = kafka_client.consumer(conf, "cdc-control-tail")
         self._consumer.assign([TopicPartition(self.name, 0, OFFSET_BEGINNING)])
         self._next = 0  # the offset after the last record read
 
@@ -225,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         put(conf, args.key, None)
         print(f"control   wrote a tombstone for {args.key!r} to {name}")
         return 0
-    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "group.id": f"cdc-control-show-{time.monotonic_ns()}", "enable.auto.commit": False})
+    consumer = kafka_client.consumer(conf, "cdc-control-show")
     try:
         try:
             _, high = consumer.get_watermark_offsets(TopicPartition(name, 0), timeout=30)

@@ -47,8 +47,16 @@ def canonical_json(schema) -> str:
 
 
 def client(conf: dict) -> SchemaRegistryClient:
-    """A SchemaRegistryClient for registry.url; basic auth only when registry.user/password are in conf."""
+    """A SchemaRegistryClient for registry.url; basic auth when registry.user/password are in conf, and
+    registry.ssl_ca_location as the CA of an https registry whose certificate is not publicly signed."""
     settings = {"url": config.get(conf, "registry.url"), "timeout": 30}
+    ca = config.get(conf, "registry.ssl_ca_location")
+    if ca:
+        path = config.project_path(ca)
+        if not path.is_file():
+            raise RegistryError(f"registry.ssl_ca_location in {conf.get('conf_file', 'conf')} names {path}, which is "
+                                f"not a file; give the PEM file of the CA that signed the registry's certificate")
+        settings["ssl.ca.location"] = str(path)
     user = config.get(conf, "registry.user")
     if user is not None:
         name = secrets.setting(conf, "registry.user") if secrets.is_reference(user) else str(user)
@@ -140,5 +148,12 @@ def _registry_error(exc: SchemaRegistryError, subject: str, url: str | None) -> 
 
 def _unreachable(exc: Exception, subject: str, url: str | None) -> RegistryError:
     return RegistryError(f"cannot reach the schema registry {url or ''} for subject {subject}: "
-                         f"{type(exc).__name__}: {exc}; check registry.url in conf and that the registry runs "
-                         f"(locally `make up`)")
+                         f"{type(exc).__name__}: {exc}; {unreachable_remedy(exc)}")
+
+
+def unreachable_remedy(exc: Exception) -> str:
+    """What to check when a request to the registry failed before any answer."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
+        return ("the registry's certificate is not signed by a CA this client trusts: set registry.ssl_ca_location "
+                "to the PEM file of the CA that signed it")
+    return "check registry.url in conf and that the registry runs (locally `make up`)"

@@ -18,7 +18,29 @@ def dsn(conf: dict, admin: bool = False, dbname: str | None = None) -> str:
     return psycopg2.extensions.make_dsn(
         host=config.get(conf, "source.host"), port=config.get(conf, "source.port"),
         user=config.get(conf, user_key), dbname=dbname or config.get(conf, "source.database"),
-        password=secrets.setting(conf, password_key))
+        password=secrets.setting(conf, password_key), **tls(conf))
+
+
+SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def tls(conf: dict) -> dict[str, str]:
+    """sslmode and sslrootcert from conf (source.sslmode, source.sslrootcert), for libpq and for JDBC alike."""
+    mode, root = config.get(conf, "source.sslmode"), config.get(conf, "source.sslrootcert")
+    where = conf.get("conf_file", "conf")
+    params = {}
+    if mode:
+        if str(mode) not in SSLMODES:
+            raise SourceError(f"source.sslmode in {where} is {mode!r}; use one of {', '.join(SSLMODES)} "
+                              f"(verify-full checks the server's certificate and name)")
+        params["sslmode"] = str(mode)
+    if root:
+        path = config.project_path(root)
+        if not path.is_file():
+            raise SourceError(f"source.sslrootcert in {where} names {path}, which is not a file; give the PEM file "
+                              f"of the CA that signed the server's certificate")
+        params["sslrootcert"] = str(path)
+    return params
 
 
 def _keys(admin: bool) -> tuple[str, str]:
@@ -34,7 +56,7 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
     user = config.get(conf, user_key)
     database = dbname or config.get(conf, "source.database")
     params = dict(host=host, port=port, user=user, dbname=database, connect_timeout=10,
-                  application_name=config.get(conf, "spark.app_name"), **options)
+                  application_name=config.get(conf, "spark.app_name"), **tls(conf), **options)
     if replication:
         params["connection_factory"] = psycopg2.extras.LogicalReplicationConnection
     try:
@@ -44,6 +66,12 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
         if "password authentication failed" in str(exc):
             remedy = (f"check the secret {secrets.describe(config.get(conf, password_key))} "
                       f"({password_key}) and the role {user}")
+        elif "certificate verify failed" in str(exc) or "root certificate" in str(exc):
+            remedy = ("the server's certificate is not signed by the CA in source.sslrootcert; set it to the PEM "
+                      "file of the CA that signed it (managed services publish theirs)")
+        elif "SSL" in str(exc) or "ssl" in str(exc):
+            remedy = (f"check source.sslmode ({config.get(conf, 'source.sslmode')}) and source.sslrootcert against "
+                      f"what the server at {host}:{port} offers")
         elif "does not exist" in str(exc):
             remedy = f"check {user_key} and source.database in {conf.get('conf_file')}"
         else:

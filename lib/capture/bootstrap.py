@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
-from lib import config, control, schema_registry, source, topics
+from lib import config, control, kafka_client, schema_registry, source, topics
 from lib.capture import avro_schemas, catalog, pgtypes
 
 
@@ -247,7 +246,8 @@ def ensure_publication(conf: dict, tables: dict[str, catalog.Table]) -> str:
 
 def ensure_topics(conf: dict, tables: dict[str, catalog.Table]) -> dict[str, str]:
     """One compacted topic per table plus the control topic; per topic 'created' or 'exists'."""
-    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    kafka_client.check(conf)  # a refused login or an unknown CA, named, before any topic call
+    admin = kafka_client.admin(conf)
     prefix = config.get(conf, "kafka.topic_prefix")
     names = [avro_schemas.topic_name(prefix, t) for t in tables.values()]
     retention_ms = int(config.get(conf, "kafka.delete_retention_ms"))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from lib import config, schema_registry
+from lib import config, kafka_client, schema_registry
 from lib.capture import avro_schemas
 
 
@@ -25,8 +25,7 @@ def read(conf: dict, table: str, last: int | None = None, timeout: float = 30.0)
     topic = topic_for(conf, table)
     registry = schema_registry.client(conf)
     decode = AvroDeserializer(registry)
-    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "group.id": f"cdc-peek-{time.monotonic_ns()}", "enable.auto.commit": False})
+    consumer = kafka_client.consumer(conf, "cdc-peek")
     try:
         try:
             partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions

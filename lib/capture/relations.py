@@ -151,7 +151,8 @@ def _key_ids(st: State, plan: events.Plan, subject: str, stopped: str) -> tuple[
         versions = []
     except Exception as exc:  # noqa: BLE001 - connection errors of the registry client
         raise schema_registry.RegistryError(f"cannot reach the schema registry for subject {subject}: "
-                                            f"{type(exc).__name__}: {exc}; check registry.url in conf") from exc
+                                            f"{type(exc).__name__}: {exc}; "
+                                            f"{schema_registry.unreachable_remedy(exc)}") from exc
     if not versions:
         key_id, _, _ = schema_registry.register(st.registry, subject, plan.key_schema)
         return key_id, None, ()

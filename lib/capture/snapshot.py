@@ -11,9 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 
-from confluent_kafka.admin import AdminClient
-
-from lib import config, control, schema_registry, source
+from lib import config, control, kafka_client, schema_registry, source
 from lib import spark as spark_session
 from lib.capture import avro_schemas, catalog, snapshot_read, snapshot_slot, snapshot_write
 from lib.capture.catalog import sql_ident
@@ -26,10 +24,12 @@ from lib.capture.snapshot_slot import SnapshotError
 
 def _require_topics(conf: dict, names: list[str], wait_s: float = 10.0) -> None:
     """Every topic exists (waiting a little for topics created a moment ago to reach the metadata)."""
-    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
     deadline = time.monotonic() + wait_s
     while True:
-        existing = admin.list_topics(timeout=30).topics
+        try:
+            existing = kafka_client.check(conf, timeout_s=30).topics
+        except kafka_client.KafkaAccessError as exc:
+            raise SnapshotError(str(exc)) from exc
         missing = [n for n in names if n not in existing]
         if not missing or time.monotonic() > deadline:
             break

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 
-from lib import config, secrets
+from lib import config, secrets, source
 from lib.capture import avro_schemas, catalog, pgtypes, snapshot_slot
 from lib.capture.catalog import sql_ident, sql_literal
 from lib.capture.snapshot_slot import SnapshotError
@@ -259,6 +259,7 @@ def jdbc_options(conf: dict, snapshot_name: str) -> dict[str, str]:
         "fetchsize": str(int(config.get(conf, "snapshot.fetch_size"))),
         "ApplicationName": f"{config.get(conf, 'spark.app_name')}-snapshot",
         "tcpKeepAlive": "true",
+        **source.tls(conf),  # pgjdbc takes libpq's sslmode and sslrootcert (a path every executor can read)
     }
     options.update({str(k): str(v) for k, v in (config.get(conf, "snapshot.jdbc_options") or {}).items()})
     return options

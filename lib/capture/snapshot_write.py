@@ -11,7 +11,7 @@ import time
 import fastavro
 from confluent_kafka import Consumer, TopicPartition
 
-from lib import config, schema_registry
+from lib import config, kafka_client, schema_registry
 from lib.capture import avro_schemas, catalog
 from lib.capture.snapshot_slot import SnapshotError
 from lib.schema_registry import confluent_header
@@ -97,7 +97,7 @@ def _connector_version() -> str:
 def write(encoded, conf: dict, topic: str) -> None:
     """Spark's Kafka sink: idempotent producer, acks=all; returns when every task flushed its sends."""
     options = {
-        "kafka.bootstrap.servers": str(config.get(conf, "kafka.bootstrap_servers")),
+        **kafka_client.spark_options(conf),
         "kafka.enable.idempotence": "true",
         "kafka.acks": "all",
         "kafka.linger.ms": "20",
@@ -146,8 +146,8 @@ def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, sche
     def keys(start: dict, end: dict):
         """Distinct Avro keys (without the Confluent header) of the messages in [start, end) per partition."""
         return (spark.read.format("kafka")
-                .option("kafka.bootstrap.servers", config.get(conf, "kafka.bootstrap_servers"))
-                .options(**_kafka_options(conf)).option("subscribe", topic).option("failOnDataLoss", "false")
+                .options(**kafka_client.spark_options(conf)).options(**_kafka_options(conf))
+                .option("subscribe", topic).option("failOnDataLoss", "false")
                 .option("startingOffsets", json.dumps({topic: {str(p): o for p, o in start.items()}}))
                 .option("endingOffsets", json.dumps({topic: {str(p): o for p, o in end.items()}}))
                 .load().select(F.expr("substring(key, 6)").alias("k")).distinct())
@@ -187,5 +187,4 @@ def partition_end_offsets(consumer: Consumer, topic: str, timeout: float = 30.0)
 
 
 def topic_consumer(conf: dict) -> Consumer:
-    return Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                     "group.id": f"cdc-snapshot-offsets-{time.monotonic_ns()}", "enable.auto.commit": False})
+    return kafka_client.consumer(conf, "cdc-snapshot-offsets")

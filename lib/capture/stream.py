@@ -18,10 +18,9 @@ import time
 
 import psycopg2
 import psycopg2.errors
-from confluent_kafka import KafkaException, Producer
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Producer
 
-from lib import config, control, schema_registry, source
+from lib import config, control, kafka_client, schema_registry, source
 from lib.capture import (
     avro_schemas,
     catalog,
@@ -175,10 +174,9 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     st.control.catch_up()
     incremental_chunks.check_requests(st)
     st.registry = schema_registry.client(conf)
-    settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer") or {}),
-                "bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                "client.id": f"cdc-stream-{st.slot}"}
-    st.producer = Producer(settings)
+    st.producer = Producer(kafka_client.settings(conf, **{**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer")
+                                                                                   or {}),
+                                                        "client.id": f"cdc-stream-{st.slot}"}))
     options = f"{pgtypes.session_options()} {pg_options}".strip()
     st.repl = source.connect(conf, replication=True, options=options)
     cursor = st.repl.cursor()
@@ -234,12 +232,10 @@ def _remove_stale_spools(slot: str, spool_dir: str | None) -> None:
 
 def _check_topics(st: State) -> None:
     """Every configured table's topic exists (auto topic creation is off)."""
-    admin = AdminClient({"bootstrap.servers": config.get(st.conf, "kafka.bootstrap_servers")})
     try:
-        existing = admin.list_topics(timeout=15).topics
-    except KafkaException as exc:
-        raise StreamError(f"cannot reach Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')}: "
-                          f"{exc.args[0].str()}; check kafka.bootstrap_servers and that the brokers run") from exc
+        existing = kafka_client.check(st.conf).topics
+    except kafka_client.KafkaAccessError as exc:
+        raise StreamError(str(exc)) from exc
     missing = [f"{t} (table {q})" for q, t in st.relations.topics.items() if t not in existing]
     if missing:
         raise StreamError(f"topics missing: {', '.join(missing)}; run notebook 01 (bootstrap) to create them")

@@ -9,7 +9,7 @@ import logging
 
 from pyspark.sql import DataFrame, SparkSession
 
-from lib import config, control, secrets
+from lib import config, control, kafka_client, secrets
 from lib.lake import lake_paths, micro_batch, silver_table
 from lib.lake.lake_paths import MergeError, query_name
 
@@ -57,9 +57,9 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
 
 
 def kafka_options(conf: dict) -> dict[str, str]:
-    """Kafka source options from conf: servers, topics, earliest start, maxOffsetsPerTrigger, extras."""
+    """Kafka source options from conf: servers and security, topics, earliest start, maxOffsetsPerTrigger, extras."""
     options = {
-        "kafka.bootstrap.servers": str(config.get(conf, "kafka.bootstrap_servers")),
+        **kafka_client.spark_options(conf),
         # the control topic too: a truncate alone (no later change) must still start a micro-batch
         "subscribe": ",".join([spec.topic for spec in lake_paths.table_specs(conf)] + [control.topic(conf)]),
         # only for a new checkpoint: on a reused one Spark resumes from it and reads a topic added to conf since
@@ -90,6 +90,7 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     The checkpoint is <lake.root>/_checkpoints/<query name>. Deleting it replays the topics from
     the start (safe: silver only moves forward; bronze gets the events again).
     """
+    kafka_client.check(conf)  # a refused login or an unknown CA, named, before Spark's own client retries
     name = query_name(conf)
     ctx = micro_batch.context(conf, name)
     ctx.session = spark

@@ -210,24 +210,23 @@ def keep(name: str, conf_file: str, log=print) -> int:
 
 def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
     """The first dependency of a service that does not answer ('Kafka at host:port: ...'), or None."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
-
-    from lib import schema_registry, source
+    from lib import kafka_client, schema_registry, source
 
     if name == "capture":
         host, port = config.get(conf, "source.host"), config.get(conf, "source.port")
         try:
             source.connect(conf).close()
         except source.SourceError as exc:
-            if not any(word in str(exc) for word in ("password authentication", "does not exist")):
+            refused = ("password authentication", "does not exist", "certificate", "source.ssl")
+            if not any(word in str(exc) for word in refused):  # a refusal is not an outage: the service says why
                 return f"PostgreSQL at {host}:{port} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
     servers = config.get(conf, "kafka.bootstrap_servers")
     try:
-        AdminClient({"bootstrap.servers": servers, "socket.connection.setup.timeout.ms": int(timeout_s * 1000)}) \
-            .list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        return f"Kafka at {servers} ({exc.args[0].str()})"
+        kafka_client.check(conf, timeout_s)
+    except kafka_client.KafkaUnreachableError as exc:
+        return f"Kafka at {servers} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
+    except kafka_client.KafkaAccessError:
+        pass  # refused (login, CA, protocol): not an outage; the service fails with the reason and its remedy
     try:
         schema_registry.client(conf).get_subjects()
     except Exception as exc:  # noqa: BLE001 - any failure to answer counts as not answering

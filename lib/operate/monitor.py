@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from lib import config, control, source
+from lib import config, control, kafka_client, source
 from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.lake import lake_paths
 from lib.operate import keeper, metrics
@@ -163,10 +162,9 @@ def committed_offsets(checkpoint: str) -> dict[str, dict[int, int]] | None:
 
 def end_offsets(conf: dict, topics: list[str], timeout: float = 10.0) -> dict[str, dict[int, int]]:
     """{topic: {partition: high watermark}} for the topics that exist."""
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
-                         "group.id": f"cdc-monitor-{os.getpid()}", "enable.auto.commit": False})
+    consumer = kafka_client.consumer(conf, "cdc-monitor")
     try:
         metadata = consumer.list_topics(timeout=timeout).topics
         found = {}

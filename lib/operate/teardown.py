@@ -19,10 +19,9 @@ import argparse
 import contextlib
 import sys
 
-from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
-from lib import config, control, schema_registry, source
+from lib import config, control, kafka_client, schema_registry, source
 from lib.lake import lake_paths
 from lib.operate import monitor, service
 
@@ -159,9 +158,8 @@ def _drop_slot(conf: dict, slot: str) -> None:
 
 def _delete_topics(conf: dict, names: list[str], timeout: float = 30.0) -> None:
     """Delete topics and wait for Kafka to confirm."""
-    from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    admin = kafka_client.admin(conf)
     for topic, future in admin.delete_topics(names, operation_timeout=timeout).items():
         try:
             future.result(timeout)
@@ -194,7 +192,7 @@ if __name__ == "__main__":
 
 def delete_prefix(conf: dict, prefix: str) -> list[str]:
     """Delete every topic and registry subject whose name starts with prefix (test and benchmark clean-up)."""
-    kafka = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    kafka = kafka_client.admin(conf)
     doomed = [t for t in kafka.list_topics(timeout=10).topics if t.startswith(prefix)]
     for future in (kafka.delete_topics(doomed).values() if doomed else []):
         with contextlib.suppress(Exception):
