@@ -31,6 +31,14 @@ LOGIN_MODULES = {
 }
 
 
+REDACTION_SETTING = "spark.sql.redaction.string.regex"
+JAAS_PASSWORD = r'password="(?:[^"\\]|\\.)*"'
+
+
+# what librdkafka says when the client's protocol does not match the listener's
+MISMATCH_HINTS = ("incorrect security.protocol", "plaintext broker listener", "ssl listener?")
+
+
 class KafkaAccessError(ConnectionError):
     """Kafka refused the connection or login, or the conf cannot describe one."""
 
@@ -104,7 +112,7 @@ def spark_options(conf: dict) -> dict[str, str]:
     """Spark's Kafka source and sink options (``kafka.`` prefixed) for conf's cluster and security.
 
     The CA goes inline as PEM text (kafka.ssl.truststore.certificates): executors on a cluster need
-    no file. Spark redacts the JAAS line (it holds the password) wherever it prints options.
+    no file. The JAAS line holds the password: call hide_login(spark) before passing these to Spark.
     """
     found = security(conf)
     options = {"kafka.bootstrap.servers": str(config.get(conf, "kafka.bootstrap_servers")),
@@ -121,6 +129,18 @@ def spark_options(conf: dict) -> dict[str, str]:
     return options
 
 
+def hide_login(spark) -> None:
+    """Have spark redact the JAAS password wherever it prints a plan (explain, errors, the UI, event logs).
+
+    Spark redacts options by key, and the key kafka.sasl.jaas.config does not look secret to it: without
+    this a streaming query's plan shows the password. Extends spark.sql.redaction.string.regex, keeping
+    what is set there.
+    """
+    current = spark.conf.get(REDACTION_SETTING, None) or ""
+    if JAAS_PASSWORD not in current:
+        spark.conf.set(REDACTION_SETTING, f"{current}|{JAAS_PASSWORD}" if current else JAAS_PASSWORD)
+
+
 def _jaas_quote(value: str) -> str:
     """value inside a JAAS double-quoted string."""
     return value.replace("\\", "\\\\").replace('"', '\\"')
@@ -133,9 +153,11 @@ def check(conf: dict, timeout_s: float = 15.0):
     try:
         metadata = client.list_topics(timeout=timeout_s)
     except KafkaException as exc:
+        client.poll(1.0)  # the reason (login, TLS) reaches error_cb only when the client is polled
         refused = _refusals(errors)
         kind = KafkaAccessError if refused else KafkaUnreachableError
         raise kind(explain(conf, refused or [*errors, exc.args[0]])) from exc
+    client.poll(0)
     if _refusals(errors):
         raise KafkaAccessError(explain(conf, _refusals(errors)))
     return metadata
@@ -144,7 +166,7 @@ def check(conf: dict, timeout_s: float = 15.0):
 def _refusals(errors: list) -> list:
     """The errors that say the brokers refused us (login, TLS, protocol), as opposed to not answering."""
     return [e for e in errors if e.code() in (KafkaError._AUTHENTICATION, KafkaError._SSL)
-            or "incorrect security.protocol" in e.str()]
+            or any(hint in e.str().lower() for hint in MISMATCH_HINTS)]
 
 
 def explain(conf: dict, errors: list) -> str:
@@ -164,7 +186,7 @@ def explain(conf: dict, errors: list) -> str:
     elif "certificate verify failed" in lowered or "could not be verified" in lowered:
         remedy = ("the brokers' certificate is not signed by a CA this client trusts: set kafka.ssl_ca_location to "
                   "the PEM file of the CA that signed it (without it the system's trust store is used)")
-    elif "ssl" in lowered or "handshake" in lowered or "incorrect security.protocol" in lowered:
+    elif any(hint in lowered for hint in MISMATCH_HINTS):
         remedy = (f"check kafka.security_protocol ({protocol}): it must match the listener at {servers} "
                   f"(a TLS listener needs SSL or SASL_SSL, a plain one PLAINTEXT or SASL_PLAINTEXT)")
     else:

@@ -69,9 +69,9 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
         elif "certificate verify failed" in str(exc) or "root certificate" in str(exc):
             remedy = ("the server's certificate is not signed by the CA in source.sslrootcert; set it to the PEM "
                       "file of the CA that signed it (managed services publish theirs)")
-        elif "SSL" in str(exc) or "ssl" in str(exc):
-            remedy = (f"check source.sslmode ({config.get(conf, 'source.sslmode')}) and source.sslrootcert against "
-                      f"what the server at {host}:{port} offers")
+        elif "does not support SSL" in str(exc):
+            remedy = (f"source.sslmode {config.get(conf, 'source.sslmode')} needs TLS, which the server at "
+                      f"{host}:{port} does not offer; turn ssl on there, or lower source.sslmode")
         elif "does not exist" in str(exc):
             remedy = f"check {user_key} and source.database in {conf.get('conf_file')}"
         else:

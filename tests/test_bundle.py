@@ -210,6 +210,6 @@ def test_no_literal_secret():
     for value in secrets.read_env_file(secrets.SECRETS_FILE).values():
         assert not value or value not in TEXT, "a local secret value appears in bundle.yml"
     conf = config.load("databricks", conf_dir=ROOT / "conf", environ={})
-    for dotted in ("source.password", "source.admin_password", "masking.salt"):
+    for dotted in ("source.password", "source.admin_password", "masking.salt", "kafka.sasl_password"):
         ref = config.get(conf, dotted)
         assert secrets.is_reference(ref) and "scope" in ref, f"conf/databricks.yml {dotted} must be {{scope, key}}"

@@ -92,6 +92,10 @@ def test_the_password_must_be_a_secret_reference(secure):
      "the brokers do not enable kafka.sasl_mechanism SCRAM-SHA-512"),
     ("Failed to get metadata: Local: Broker transport failure", "check kafka.bootstrap_servers and "
                                                                 "kafka.security_protocol (SASL_SSL)"),
+    ("sasl_ssl://b1:9094/bootstrap: Connect to ipv4#10.0.0.1:9094 failed: Connection refused",
+     "check kafka.bootstrap_servers and kafka.security_protocol (SASL_SSL) in conf/test.yml and that the brokers run"),
+    ("sasl_ssl://b1:9094/bootstrap: SSL handshake failed: Disconnected: SSL connection closed by peer: connecting to "
+     "a PLAINTEXT broker listener?", "check kafka.security_protocol (SASL_SSL): it must match the listener"),
 ])
 def test_what_the_client_reports_becomes_the_setting_to_fix(secure, reported, named):
     message = kafka_client.explain(secure, [KafkaError(KafkaError._AUTHENTICATION, reported)])
@@ -127,3 +131,24 @@ def test_registry_gets_basic_auth_and_its_ca(secure, monkeypatch):
     del secure["registry"]["ssl_ca_location"]
     client = schema_registry.client(secure)
     assert client._rest_client.auth == ("reader", "reg-pw")
+
+
+class FakeConf(dict):
+    def get(self, key, default=None):
+        return super().get(key, default)
+
+    def set(self, key, value):
+        self[key] = value
+
+
+def test_spark_is_told_to_redact_the_jaas_password_keeping_what_was_set(secure):
+    import re
+    from types import SimpleNamespace
+
+    spark = SimpleNamespace(conf=FakeConf({"spark.sql.redaction.string.regex": "token=\\w+"}))
+    kafka_client.hide_login(spark)
+    kafka_client.hide_login(spark)  # once only
+    pattern = spark.conf["spark.sql.redaction.string.regex"]
+    assert pattern == "token=\\w+|" + kafka_client.JAAS_PASSWORD
+    line = kafka_client.spark_options(secure)["kafka.sasl.jaas.config"]
+    assert PASSWORD not in re.sub(pattern, "*********(redacted)", line) and 'username="cdc"' in line

@@ -106,6 +106,7 @@ def write(encoded, conf: dict, topic: str) -> None:
         "topic": topic,
     }
     options.update(_kafka_options(conf))
+    kafka_client.hide_login(encoded.sparkSession)
     encoded.write.format("kafka").options(**options).save()
 
 
@@ -152,6 +153,7 @@ def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, sche
                 .option("endingOffsets", json.dumps({topic: {str(p): o for p, o in end.items()}}))
                 .load().select(F.expr("substring(key, 6)").alias("k")).distinct())
 
+    kafka_client.hide_login(spark)
     stale = keys({p: -2 for p in earlier}, earlier).join(keys(earlier, written), "k", "left_anti")
     # decoded without logical types (dates as int, timestamps as long, ...), exactly as column_transport selects them
     key_json = schema_registry.canonical_json(_without_logical_types(wire_record(key_schema, fields)))

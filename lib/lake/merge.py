@@ -78,6 +78,7 @@ def kafka_options(conf: dict) -> dict[str, str]:
 
 def read_stream(conf: dict, spark: SparkSession) -> DataFrame:
     """The streaming DataFrame of every configured table topic (Kafka's key, value, topic, partition, ...)."""
+    kafka_client.hide_login(spark)
     reader = spark.readStream.format("kafka")
     for key, value in kafka_options(conf).items():
         reader = reader.option(key, value)

@@ -217,7 +217,7 @@ def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
         try:
             source.connect(conf).close()
         except source.SourceError as exc:
-            refused = ("password authentication", "does not exist", "certificate", "source.ssl")
+            refused = ("password authentication", "does not exist", "certificate", "source.ssl", "does not support SSL")
             if not any(word in str(exc) for word in refused):  # a refusal is not an outage: the service says why
                 return f"PostgreSQL at {host}:{port} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
     servers = config.get(conf, "kafka.bootstrap_servers")

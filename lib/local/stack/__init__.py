@@ -2,7 +2,9 @@
 
 `python -m lib.local.stack up|down|status|logs|fetch` (the Makefile wraps these). Everything lives
 under the folder in stack.dir (.stack/ by default, git-ignored): downloads in cache/, the
-services' data, logs/ and run/ (pid files). Ports come from conf/local.yml.
+services' data, logs/ and run/ (pid files), tls/ (the stack's own CA and server certificate). Ports
+come from conf/local.yml. Besides their plain ports the services serve TLS: PostgreSQL on its port,
+Kafka on SASL_SSL and SSL listeners, the registry on HTTPS (endpoints() lists them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 from lib import config, secrets
-from lib.local.stack import fetch, kafka, postgres, process, registry
+from lib.local.stack import fetch, kafka, postgres, process, registry, tls
 from lib.local.stack.process import StackError
 
 __all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
@@ -65,6 +67,8 @@ def up(conf: dict, log=print) -> None:
     folder = stack_dir(conf)
     fetch.fetch_all(folder, log=lambda line: None if "cached" in line else log(line))
     ensure_local_secrets(conf, log=log)
+    if tls.ensure(folder, log=log) and process.port_in_use(*registry.https_endpoint(conf)[:2]):
+        registry.stop(folder, log=log)  # it serves the previous certificate: start it again below
     postgres.start(conf, folder, log=log)
     timeout = float(config.get(conf, "stack.start_timeout_s"))
     started = {name: module.start(conf, folder, log=log) for name, module in
@@ -75,7 +79,20 @@ def up(conf: dict, log=print) -> None:
         process.wait_ready(name, lambda probe=probe: probe(conf), timeout, where["log"], pid, where["pid"])
         if pid:
             log(f"{name:9s} started on port {status_of(conf, name)['port']} (pid {pid})")
+    kafka.ensure_user(conf, folder)
+    for line in missing_tls(conf, folder):
+        log(line)
     log(f"stack     up in {time.monotonic() - began:.1f} s")
+
+
+def missing_tls(conf: dict, folder: Path) -> list[str]:
+    """A line for each running service started before the stack served TLS, with the fix."""
+    fix = "it was started before the stack served TLS: `make down && make up` adds it"
+    lines = [] if postgres.ssl_on(conf, folder) else [f"postgres  has ssl off; {fix}"]
+    for host, port, setting in [*kafka.secure_ports(conf), registry.https_endpoint(conf)]:
+        if not process.port_in_use(host, port):
+            lines.append(f"{setting.split('.')[1]:9s} nothing listens on {host}:{port} ({setting}); {fix}")
+    return lines
 
 
 def sample(conf: dict, customers: int = 200, seed: int = 7, reset: bool = False, log=print) -> dict:
@@ -144,11 +161,20 @@ def clean(conf: dict, log=print) -> None:
 def endpoints(conf: dict) -> dict[str, str]:
     """Where to connect, for people (passwords are named, never shown)."""
     source = conf["source"]
+    ca = tls.paths(stack_dir(conf))["ca"]
+    (host, sasl_ssl, _), (_, ssl, _) = kafka.secure_ports(conf)
+    kafka_user = config.get(conf, "stack.kafka.user")
+    kafka_password = secrets.describe(config.get(conf, "stack.kafka.password"))
     return {
         "psql": f"psql postgresql://{source['admin_user']}@{source['host']}:{source['port']}/{source['database']}"
                 f"  (password: {secrets.describe(source['admin_password'])}, in conf/secrets.env locally)",
+        "psql tls": f"the same, with ?sslmode=verify-full&sslrootcert={ca}",
         "kafka": str(config.get(conf, "kafka.bootstrap_servers")),
+        "kafka sasl": f"{host}:{sasl_ssl}  (SASL_SSL, SCRAM-SHA-512 or PLAIN as {kafka_user}, "
+                      f"password: {kafka_password}; CA {ca})",
+        "kafka ssl": f"{host}:{ssl}  (SSL, no client certificate; CA {ca})",
         "registry": str(config.get(conf, "registry.url")),
+        "registry https": f"{registry.https_url(conf)}  (CA {ca})",
     }
 
 

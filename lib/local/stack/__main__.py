@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['port']:>6}  {row['version']:16s} {row['log']}")
             print()
             for name, where in stack.endpoints(conf).items():
-                print(f"{name:9s} {where}")
+                print(f"{name:14s} {where}")
         elif args.command == "logs":
             print(stack.logs(conf, args.service, args.lines))
     except (StackError, SecretError, SourceError, config.ConfigError) as exc:

@@ -14,7 +14,7 @@ import psycopg2
 from psycopg2 import sql
 
 from lib import config, secrets
-from lib.local.stack import process
+from lib.local.stack import process, tls
 from lib.local.stack.process import StackError
 
 
@@ -65,13 +65,14 @@ def home(stack_dir: Path, conf: dict) -> Path:
 
 
 def layout(stack_dir: Path, conf: dict) -> dict[str, Path]:
-    """Data folder, log file and socket folder of the cluster."""
+    """Data folder, log file, socket folder and TLS certificate and key of the cluster."""
     base = home(stack_dir, conf)
     socket_dir = base / "sock"
     if len(str(socket_dir)) > 80:  # Unix socket paths are limited to ~107 bytes
         digest = hashlib.sha1(str(base).encode()).hexdigest()[:10]
         socket_dir = Path(tempfile.gettempdir()) / f"cdc-pg-{digest}"
-    return {"data": base / "data", "log": base / "postgres.log", "socket": socket_dir}
+    return {"data": base / "data", "log": base / "postgres.log", "socket": socket_dir,
+            "tls": base / "tls", "cert": base / "tls" / "server.pem", "key": base / "tls" / "server-key.pem"}
 
 
 def superuser_connect(conf: dict, where: dict[str, Path], dbname: str = "postgres"):
@@ -114,8 +115,30 @@ def init_cluster(conf: dict, where: dict[str, Path]) -> None:
                          f"run `make up` again", details=result.stdout + result.stderr)
 
 
+def install_certificate(conf: dict, stack_dir: Path, where: dict[str, Path]) -> bool:
+    """Copy the stack's server certificate and key where the server user owns them; True when they changed.
+
+    The server refuses a key that others may read or that another user owns (stack up runs as root, the
+    server as stack.postgres.superuser).
+    """
+    source = tls.paths(stack_dir)
+    changed = False
+    for name in ("cert", "key"):
+        data = source[name].read_bytes()
+        if where[name].is_file() and where[name].read_bytes() == data:
+            continue
+        where["tls"].mkdir(mode=0o700, exist_ok=True)
+        tls.write(where[name], data, private=True)
+        changed = True
+    if os.geteuid() == 0:
+        owner = config.get(conf, "stack.postgres.superuser")
+        for path in (where["tls"], where["cert"], where["key"]):
+            shutil.chown(path, user=owner)
+    return changed
+
+
 def server_options(conf: dict, where: dict[str, Path]) -> str:
-    """Start options: own port and socket, loopback only, logical decoding."""
+    """Start options: own port and socket, loopback only, logical decoding, TLS with the stack's certificate."""
     fsync = "on" if config.get(conf, "stack.postgres.fsync") else "off"
     options = {
         "port": config.get(conf, "source.port"),
@@ -126,6 +149,10 @@ def server_options(conf: dict, where: dict[str, Path]) -> str:
         "max_wal_senders": 20,
         "max_slot_wal_keep_size": config.get(conf, "stack.postgres.max_slot_wal_keep_size"),
         "fsync": fsync,
+        # TLS for clients that ask (sslmode=require/verify-full); pg_hba's host lines take plain TCP too
+        "ssl": "on",
+        "ssl_cert_file": where["cert"],
+        "ssl_key_file": where["key"],
     }
     return " ".join(f"-c {key}={value}" for key, value in options.items())
 
@@ -134,8 +161,12 @@ def start(conf: dict, stack_dir: Path, log=print) -> None:
     """Start the cluster (initialising it on first use) and make the roles and databases."""
     where = layout(stack_dir, conf)
     port = int(config.get(conf, "source.port"))
+    tls.ensure(stack_dir, log=log)
+    renewed = install_certificate(conf, stack_dir, where)
     if running_pid(where):
         log(f"postgres  already running on port {port}")
+        if renewed:
+            reload(conf, where)
     else:
         process.require_free_port("postgres", config.get(conf, "source.host"), port, "source.port")
         init_cluster(conf, where)
@@ -151,6 +182,27 @@ def start(conf: dict, stack_dir: Path, log=print) -> None:
                              details=process.tail(where["log"], 15))
         log(f"postgres  started on port {port}")
     ensure_roles(conf, where)
+
+
+def reload(conf: dict, where: dict[str, Path]) -> None:
+    """Make the running server read its configuration and certificate files again."""
+    conn = superuser_connect(conf, where)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_reload_conf()")
+    finally:
+        conn.close()
+
+
+def ssl_on(conf: dict, stack_dir: Path) -> bool:
+    """True when the running server accepts TLS (one started before the stack had TLS does not)."""
+    conn = superuser_connect(conf, layout(stack_dir, conf))
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW ssl")
+            return cur.fetchone()[0] == "on"
+    finally:
+        conn.close()
 
 
 def ensure_roles(conf: dict, where: dict[str, Path]) -> None:

@@ -1,7 +1,8 @@
 """The stack's schema registry: Apicurio Registry, Confluent API at /apis/ccompat/v7.
 
 Schemas are stored in the stack's PostgreSQL (database stack.registry.database), so they
-survive a registry restart while Kafka still holds messages that reference their ids.
+survive a registry restart while Kafka still holds messages that reference their ids. Besides HTTP on
+registry.url it serves HTTPS on stack.registry.https_port with the stack's certificate (tls.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from lib import config, secrets
-from lib.local.stack import fetch, kafka, process
+from lib.local.stack import fetch, kafka, process, tls
 from lib.local.stack.process import StackError
 
 MARKER = "apicurio-registry-app"
@@ -38,15 +39,32 @@ def endpoint(conf: dict) -> tuple[str, int]:
     return url.hostname or "127.0.0.1", url.port or 80
 
 
-def environment(conf: dict) -> dict[str, str]:
-    """Process environment: HTTP ports, and SQL storage on the stack's PostgreSQL."""
+def https_endpoint(conf: dict) -> tuple[str, int, str]:
+    """(host, port, setting) of the HTTPS listener."""
+    return endpoint(conf)[0], int(config.get(conf, "stack.registry.https_port")), "stack.registry.https_port"
+
+
+def https_url(conf: dict) -> str:
+    """registry.url with https and stack.registry.https_port."""
+    url = urlparse(str(config.get(conf, "registry.url")))
+    host, port, _ = https_endpoint(conf)
+    return url._replace(scheme="https", netloc=f"{host}:{port}").geturl()
+
+
+def environment(conf: dict, stack_dir: Path) -> dict[str, str]:
+    """Process environment: HTTP and HTTPS ports, and SQL storage on the stack's PostgreSQL."""
     host, port = endpoint(conf)
+    cert = tls.paths(stack_dir)
     database = config.get(conf, "stack.registry.database")
     jdbc = f"jdbc:postgresql://{config.get(conf, 'source.host')}:{config.get(conf, 'source.port')}/{database}"
     return {
         **os.environ,
         "QUARKUS_HTTP_HOST": host,
         "QUARKUS_HTTP_PORT": str(port),
+        "QUARKUS_HTTP_INSECURE_REQUESTS": "enabled",  # plain HTTP stays on registry.url
+        "QUARKUS_HTTP_SSL_PORT": str(config.get(conf, "stack.registry.https_port")),
+        "QUARKUS_HTTP_SSL_CERTIFICATE_FILES": str(cert["cert"]),
+        "QUARKUS_HTTP_SSL_CERTIFICATE_KEY_FILES": str(cert["key"]),
         "QUARKUS_MANAGEMENT_PORT": str(config.get(conf, "stack.registry.management_port")),
         "APICURIO_STORAGE_KIND": "sql",
         "APICURIO_STORAGE_SQL_KIND": "postgresql",
@@ -70,14 +88,16 @@ def start(conf: dict, stack_dir: Path, log=print) -> int | None:
     where = files(stack_dir)
     host, port = endpoint(conf)
     management = int(config.get(conf, "stack.registry.management_port"))
-    ports = [(host, port, "registry.url"), (host, management, "stack.registry.management_port")]
+    ports = [(host, port, "registry.url"), (host, management, "stack.registry.management_port"),
+             https_endpoint(conf)]
     if not process.claim("registry", where["pid"], MARKER, ports, log):
         return None
     java_bin = kafka.java()
     jar = runner(stack_dir)
+    tls.ensure(stack_dir, log=log)
     heap = config.get(conf, "stack.registry.heap")
     command = [java_bin, f"-Xmx{heap}", "-XX:+UseSerialGC", "-jar", str(jar)]
-    return process.start(command, where["log"], where["pid"], env=environment(conf), cwd=jar.parent)
+    return process.start(command, where["log"], where["pid"], env=environment(conf, stack_dir), cwd=jar.parent)
 
 
 def stop(stack_dir: Path, log=print) -> None:
