@@ -62,7 +62,8 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
     try:
         return psycopg2.connect(password=secrets.setting(conf, password_key), **params)
     except psycopg2.OperationalError as exc:
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        # libpq's message: 'connection to server at ... failed: <cause>', sometimes a hint line after it
+        reason = ". ".join(line.strip() for line in str(exc).strip().splitlines()) or type(exc).__name__
         if "password authentication failed" in str(exc):
             remedy = (f"check the secret {secrets.describe(config.get(conf, password_key))} "
                       f"({password_key}) and the role {user}")

@@ -219,7 +219,8 @@ def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
         except source.SourceError as exc:
             refused = ("password authentication", "does not exist", "certificate", "source.ssl", "does not support SSL")
             if not any(word in str(exc) for word in refused):  # a refusal is not an outage: the service says why
-                return f"PostgreSQL at {host}:{port} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
+                cause = str(exc).split(": ", 1)[-1].split(";")[0].split(" failed: ", 1)[-1]
+                return f"PostgreSQL at {host}:{port} ({cause})"
     servers = config.get(conf, "kafka.bootstrap_servers")
     try:
         kafka_client.check(conf, timeout_s)
