@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 PG_BIN := /usr/lib/postgresql/15/bin
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test lint jupyter clean run stop teardown
+.PHONY: install system fetch up down status logs sample demo test lint jupyter clean run stop teardown faults
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
@@ -87,6 +87,9 @@ lint: $(STAMP)
 
 test: sample lint  ## the whole suite against the running stack (notebooks under nbval)
 	$(PY) -m pytest --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
+
+faults: up  ## failure matrix under load (Kafka/PostgreSQL/registry down, kill -9, disk full...); docs/reliability.md
+	$(PY) bench/fault_matrix.py $(if $(CASES),--cases $(CASES)) $(if $(CYCLES),--cycles $(CYCLES))
 
 jupyter: up  ## JupyterLab on the notebooks, with the stack running
 	$(PY) -m jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser

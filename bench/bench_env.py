@@ -152,6 +152,42 @@ def background_write(conf: dict, rate: float, tx_rows: int, tag: str):
     return stop
 
 
+def background_workload(conf: dict, rate: float):
+    """lib.local.workload at rate business transactions/s in a thread, in runs of 3 s, reconnecting when the server
+    drops the connection; returns stop() -> {transactions, reconnects} (stops after the current run)."""
+    from lib.local import workload
+
+    stopping, done = threading.Event(), {"transactions": 0, "reconnects": 0}
+
+    def run() -> None:
+        conn, seed = None, 0
+        while not stopping.is_set():
+            try:
+                conn, seed = conn or source.connect(conf, admin=True), seed + 1
+                done["transactions"] += workload.run(conn, rate, duration=3, seed=seed)["transactions"]
+            except Exception:  # noqa: BLE001 - a restarted server: reconnect and go on
+                with contextlib.suppress(Exception):
+                    conn.close()
+                conn, done["reconnects"] = None, done["reconnects"] + 1
+                stopping.wait(1.0)
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return lambda: (stopping.set(), thread.join(60), dict(done))[-1]
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
+    """Poll predicate until truthy; returns its value; TimeoutError naming what did not happen."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
+    return value
+
+
 def wal_lsn(conf: dict) -> str:
     """The server's current WAL position."""
     conn = source.connect(conf)

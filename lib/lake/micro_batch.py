@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -168,6 +170,9 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             poison = functools.reduce(DataFrame.unionByName, dead)
             tasks.append(functools.partial(_write_dead_letters, spark, ctx, poison, app, batch_id,
                                            stats["dead_letters"]))
+        _clear_failed_creations([p for w in work for p in (lake_paths.bronze_path(ctx.conf, w.spec),
+                                                           lake_paths.silver_path(ctx.conf, w.spec))
+                                 if p not in ctx.ready] + ([lake_paths.dead_letter_path(ctx.conf)] if dead else []))
         _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism")), spark)
         for w in work:
             if w.truncate is not None:
@@ -223,6 +228,25 @@ def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:
     for r in rows:
         out.setdefault(r["t"], {})[r["__reason"]] = {"n": r["n"], "tombs": r["tombs"], "toast": r["toast"]}
     return out
+
+
+def _clear_failed_creations(paths: list[str]) -> None:
+    """Remove the _delta_log of a local table whose creation failed before its first commit (a full disk).
+
+    Such a log holds no commit, only Delta's temporary file, and Delta then refuses to create the table there
+    (DELTA_TABLE_NOT_FOUND) on every retry, so the merge could not recover by itself once space was back. Only a
+    log without any commit, checkpoint or staged commit is removed; remote paths are left alone.
+    """
+    for path in paths:
+        log_dir = os.path.join(path, "_delta_log")
+        if config.is_remote(path) or not os.path.isdir(log_dir):
+            continue
+        entries = [name for name in os.listdir(log_dir) if not name.startswith(".")]
+        staged = os.path.join(log_dir, "_staged_commits")
+        if set(entries) <= {"_staged_commits"} and not (os.path.isdir(staged) and os.listdir(staged)):
+            log.warning("merge: %s holds no commit (its creation failed, e.g. on a full disk): removing it so the "
+                        "table is created again", log_dir)
+            shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _run_all(tasks: list, parallelism: int, spark: SparkSession) -> None:
