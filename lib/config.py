@@ -171,6 +171,18 @@ def project_path(value: str | os.PathLike) -> Path:
     return path if path.is_absolute() else PROJECT_ROOT / path
 
 
+def pem_file(conf: dict, dotted: str, signer: str) -> str | None:
+    """The CA file a setting names (None when unset), resolved like project_path; error when it is not a file."""
+    value = get(conf, dotted)
+    if not value:
+        return None
+    path = project_path(value)
+    if not path.is_file():
+        raise ConfigError(f"{dotted} in {conf.get('conf_file', 'conf')} names {path}, which is not a file; give the "
+                          f"PEM file of the CA that signed {signer}")
+    return str(path)
+
+
 def is_remote(location: str) -> bool:
     """True for a storage URI (abfss://, s3://, dbfs:/), False for a local path."""
     return "://" in str(location) or str(location).startswith("dbfs:")

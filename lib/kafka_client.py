@@ -74,13 +74,8 @@ def security(conf: dict) -> dict:
         found["username"] = secrets.setting(conf, "kafka.sasl_username") if secrets.is_reference(username) \
             else str(username)
         found["password"] = secrets.setting(conf, "kafka.sasl_password")
-    ca = config.get(conf, "kafka.ssl_ca_location")
-    if ca and protocol.endswith("SSL"):
-        path = config.project_path(ca)
-        if not path.is_file():
-            raise KafkaAccessError(f"kafka.ssl_ca_location in {where} names {path}, which is not a file; give the "
-                                   f"PEM file of the CA that signed the brokers' certificates")
-        found["ca_file"] = str(path)
+    if protocol.endswith("SSL"):
+        found["ca_file"] = config.pem_file(conf, "kafka.ssl_ca_location", "the brokers' certificates")
     return found
 
 

@@ -50,13 +50,9 @@ def client(conf: dict) -> SchemaRegistryClient:
     """A SchemaRegistryClient for registry.url; basic auth when registry.user/password are in conf, and
     registry.ssl_ca_location as the CA of an https registry whose certificate is not publicly signed."""
     settings = {"url": config.get(conf, "registry.url"), "timeout": 30}
-    ca = config.get(conf, "registry.ssl_ca_location")
+    ca = config.pem_file(conf, "registry.ssl_ca_location", "the registry's certificate")
     if ca:
-        path = config.project_path(ca)
-        if not path.is_file():
-            raise RegistryError(f"registry.ssl_ca_location in {conf.get('conf_file', 'conf')} names {path}, which is "
-                                f"not a file; give the PEM file of the CA that signed the registry's certificate")
-        settings["ssl.ca.location"] = str(path)
+        settings["ssl.ca.location"] = ca
     user = config.get(conf, "registry.user")
     if user is not None:
         name = secrets.setting(conf, "registry.user") if secrets.is_reference(user) else str(user)

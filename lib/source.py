@@ -26,7 +26,8 @@ SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
 def tls(conf: dict) -> dict[str, str]:
     """sslmode and sslrootcert from conf (source.sslmode, source.sslrootcert), for libpq and for JDBC alike."""
-    mode, root = config.get(conf, "source.sslmode"), config.get(conf, "source.sslrootcert")
+    mode = config.get(conf, "source.sslmode")
+    root = config.pem_file(conf, "source.sslrootcert", "the server's certificate")
     where = conf.get("conf_file", "conf")
     params = {}
     if mode:
@@ -35,11 +36,7 @@ def tls(conf: dict) -> dict[str, str]:
                               f"(verify-full checks the server's certificate and name)")
         params["sslmode"] = str(mode)
     if root:
-        path = config.project_path(root)
-        if not path.is_file():
-            raise SourceError(f"source.sslrootcert in {where} names {path}, which is not a file; give the PEM file "
-                              f"of the CA that signed the server's certificate")
-        params["sslrootcert"] = str(path)
+        params["sslrootcert"] = root
     return params
 
 

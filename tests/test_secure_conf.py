@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import KafkaError
 
-from lib import kafka_client, schema_registry, source
+from lib import config, kafka_client, schema_registry, source
 from lib.capture import snapshot_read
 
 PASSWORD = "s3cr\"et\\pw"
@@ -68,7 +68,7 @@ def test_unknown_protocol_mechanism_and_ca_file_are_refused_by_name(secure, tmp_
     with pytest.raises(kafka_client.KafkaAccessError, match="kafka.security_protocol .* is 'TLS'; use one of"):
         kafka_client.settings(secure)
     secure["kafka"].update(security_protocol="SSL", ssl_ca_location=str(tmp_path / "absent.pem"))
-    with pytest.raises(kafka_client.KafkaAccessError, match=r"kafka.ssl_ca_location .*absent.pem, which is not a "
+    with pytest.raises(config.ConfigError, match=r"kafka.ssl_ca_location .*absent.pem, which is not a "
                                                             r"file; give the PEM file of the CA"):
         kafka_client.spark_options(secure)
 
@@ -116,7 +116,7 @@ def test_postgres_ssl_settings_are_checked_by_name(secure, tmp_path):
     with pytest.raises(source.SourceError, match="source.sslmode in conf/test.yml is 'on'; use one of disable"):
         source.tls(secure)
     secure["source"].update(sslmode="verify-ca", sslrootcert=str(tmp_path / "none.pem"))
-    with pytest.raises(source.SourceError, match="source.sslrootcert .*none.pem, which is not a file"):
+    with pytest.raises(config.ConfigError, match="source.sslrootcert .*none.pem, which is not a file"):
         source.tls(secure)
 
 
@@ -125,7 +125,7 @@ def test_registry_gets_basic_auth_and_its_ca(secure, monkeypatch):
     secure["registry"] = {"url": "https://registry.example:8443", "user": "reader",
                           "password": {"env": "TEST_REGISTRY_PASSWORD"},
                           "ssl_ca_location": "/nowhere/ca.pem"}
-    with pytest.raises(schema_registry.RegistryError, match="registry.ssl_ca_location .* /nowhere/ca.pem, which is "
+    with pytest.raises(config.ConfigError, match="registry.ssl_ca_location .* /nowhere/ca.pem, which is "
                                                             "not a file"):
         schema_registry.client(secure)
     del secure["registry"]["ssl_ca_location"]
@@ -152,3 +152,12 @@ def test_spark_is_told_to_redact_the_jaas_password_keeping_what_was_set(secure):
     assert pattern == "token=\\w+|" + kafka_client.JAAS_PASSWORD
     line = kafka_client.spark_options(secure)["kafka.sasl.jaas.config"]
     assert PASSWORD not in re.sub(pattern, "*********(redacted)", line) and 'username="cdc"' in line
+
+
+def test_the_keeper_does_not_wait_on_a_conf_error(secure, tmp_path):
+    from lib.operate import keeper
+
+    secure["kafka"]["ssl_ca_location"] = str(tmp_path / "gone.pem")  # a conf error, not an outage
+    assert keeper.unreachable(secure, "merge", timeout_s=1) is None
+    secure["source"]["sslrootcert"] = str(tmp_path / "gone.pem")
+    assert keeper.unreachable(secure, "capture", timeout_s=1) is None

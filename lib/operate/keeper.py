@@ -209,8 +209,14 @@ def keep(name: str, conf_file: str, log=print) -> int:
 
 
 def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
-    """The first dependency of a service that does not answer ('Kafka at host:port: ...'), or None."""
-    from lib import kafka_client, schema_registry, source
+    """The first dependency of a service that does not answer ('Kafka at host:port: ...'), or None.
+
+    A refusal or a conf error (a wrong password or CA, a missing secret) is not an outage: None, so the
+    service starts, fails with the setting to fix, and counts toward service.max_restarts.
+    """
+    from lib import kafka_client, schema_registry, secrets, source
+
+    misconfigured = (config.ConfigError, secrets.SecretError)
 
     if name == "capture":
         host, port = config.get(conf, "source.host"), config.get(conf, "source.port")
@@ -221,15 +227,21 @@ def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
             if not any(word in str(exc) for word in refused):  # a refusal is not an outage: the service says why
                 cause = str(exc).split(": ", 1)[-1].split(";")[0].split(" failed: ", 1)[-1]
                 return f"PostgreSQL at {host}:{port} ({cause})"
+        except misconfigured:
+            return None
     servers = config.get(conf, "kafka.bootstrap_servers")
     try:
         kafka_client.check(conf, timeout_s)
     except kafka_client.KafkaUnreachableError as exc:
         return f"Kafka at {servers} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
-    except kafka_client.KafkaAccessError:
-        pass  # refused (login, CA, protocol): not an outage; the service fails with the reason and its remedy
+    except (kafka_client.KafkaAccessError, *misconfigured):
+        return None  # refused (login, CA, protocol): not an outage; the service fails with the reason and its remedy
     try:
-        schema_registry.client(conf).get_subjects()
+        registry = schema_registry.client(conf)
+    except misconfigured:
+        return None
+    try:
+        registry.get_subjects()
     except Exception as exc:  # noqa: BLE001 - any failure to answer counts as not answering
         return f"the schema registry at {config.get(conf, 'registry.url')} ({type(exc).__name__})"
     return None
