@@ -101,7 +101,7 @@ def secure_settings(conf: dict, stack_dir: Path) -> dict[str, object]:
 def write_config(conf: dict, where: dict[str, Path], stack_dir: Path) -> None:
     """server.properties for a one-node KRaft cluster on loopback, and a console log4j2 config."""
     where["base"].mkdir(parents=True, exist_ok=True)
-    # it holds the PLAIN password: owner-only, under the git-ignored stack folder
+    # owner-only (0600): the PLAIN listener lists its user and login inside; the stack folder is git-ignored
     where["properties"].touch(mode=0o600, exist_ok=True)
     where["properties"].chmod(0o600)
     where["properties"].write_text(properties(conf, where, stack_dir))
