@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths, reconcile  # noqa: E402
 from lib.local import stack  # noqa: E402
 from lib.local.stack import kafka, postgres, process, registry  # noqa: E402
-from lib.operate import keeper, metrics, monitor, service  # noqa: E402
+from lib.operate import keeper, metrics, monitor, service, tables  # noqa: E402
 
 TABLES = ["bank.customers", "bank.account_holders", "bank.transactions"]
 SERVICES = ("capture", "merge")
@@ -292,6 +293,8 @@ def case_long_transaction(ctx: dict, cycles: int, log) -> float:
     return ended
 
 
+REKEYED = "bank.customers"
+REMEDY = re.compile(r"primary key changed from .*kafka\.topics: \{bank\.customers: ([\w.-]+)\}")
 SPARE = "00000000-0000-4000-8000-00000000f417"  # a key no generated row has (gen_random_uuid is random)
 
 
@@ -328,6 +331,25 @@ def case_key_update(ctx: dict, cycles: int, log) -> float:
     return time.monotonic()
 
 
+def case_rekey_ddl(ctx: dict, cycles: int, log) -> float:
+    """Under load, bank.customers re-keyed by DDL (customer_id -> customer_uuid, back on the next cycle): the capture
+    stops before the change with its remedy, which is applied as it says (a new topic under kafka.topics, then
+    python -m lib.operate.tables rekey)."""
+    conf = ctx["conf"]
+    capture_log = keeper.files(conf, "capture")["log"]
+    for cycle in range(cycles):
+        key = ("customer_uuid", "customer_id")[cycle % 2]
+        seen = capture_log.stat().st_size
+        admin_sql(conf, f"ALTER TABLE bank.customers DROP CONSTRAINT customers_pkey CASCADE, ADD PRIMARY KEY ({key})")
+        remedy = bench_env.wait_for(lambda s=seen: REMEDY.search(capture_log.read_bytes()[s:].decode(errors="replace")),
+                                    300, "the capture to stop on the re-keyed table with its remedy")
+        conf["kafka"]["topics"] = {**(conf["kafka"].get("topics") or {}), REKEYED: remedy.group(1)}
+        tables.rekey_table(conf, REKEYED, log=quiet)
+        log(f"  cycle {cycle + 1}: key -> ({key}); the capture stopped with the remedy, applied: "
+            f"{REKEYED} now in topic {remedy.group(1)}")
+    return time.monotonic()
+
+
 def fill(folder: str) -> Path:
     """A file taking all free space of folder's filesystem; returns it."""
     filler = Path(folder, "filler")
@@ -356,7 +378,7 @@ def case_disk_full(ctx: dict, cycles: int, log) -> float:
 CASES = {"kafka_kill": (case_kafka_kill, 2, SERVICES), "postgres_restart": (case_postgres_restart, 2, ("capture",)),
          "registry_down": (case_registry_down, 1, ("capture",)), "kill_cycles": (case_kill_cycles, 10, ()),
          "long_transaction": (case_long_transaction, 1, ()), "key_update": (case_key_update, 1, ()),
-         "disk_full": (case_disk_full, 1, ())}
+         "rekey_ddl": (case_rekey_ddl, 1, ()), "disk_full": (case_disk_full, 1, ())}
 
 
 # checks
@@ -370,10 +392,10 @@ def bronze_offsets(conf: dict, spark) -> list[str]:
     specs = lake_paths.table_specs(conf)
     ends, problems = monitor.end_offsets(conf, [s.topic for s in specs]), []
     for spec in specs:
-        have = {int(r["_kafka_partition"]): r for r in spark.read.format("delta").load(lake_paths.bronze_path(
-            conf, spec)).groupBy("_kafka_partition").agg(F.count(F.lit(1)).alias("n"), F.countDistinct(
-                "_kafka_offset").alias("d"), F.min("_kafka_offset").alias("lo"), F.max("_kafka_offset").alias("hi"))
-            .collect()}
+        bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec))
+        have = {int(r["_kafka_partition"]): r for r in bronze.filter(F.col("_kafka_topic") == spec.topic).groupBy(
+            "_kafka_partition").agg(F.count(F.lit(1)).alias("n"), F.countDistinct("_kafka_offset").alias("d"),
+                                    F.min("_kafka_offset").alias("lo"), F.max("_kafka_offset").alias("hi")).collect()}
         for partition, end in sorted(ends.get(spec.topic, {}).items()):
             r = have.get(int(partition))
             n, d, lo, hi = (r["n"], r["d"], r["lo"], r["hi"]) if r else (0, 0, None, None)

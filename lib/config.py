@@ -88,6 +88,7 @@ DEFAULTS: dict[str, object] = {
     "source.sslmode": None,  # libpq's sslmode (None: libpq's default, prefer); verify-full for a managed server
     "source.sslrootcert": None,  # PEM file of the server's CA, for sslmode verify-ca / verify-full
     "kafka.partitions": 1,
+    "kafka.topics": {},  # schema.table -> its topic, when not <topic_prefix>.<schema>.<table> (a re-keyed table)
     "kafka.delete_retention_ms": 7 * 24 * 3600 * 1000,  # how long a tombstone stays before compaction drops it
     "kafka.producer": None,  # librdkafka settings over the capture's defaults
     "kafka.security_protocol": "PLAINTEXT",  # SSL, SASL_PLAINTEXT or SASL_SSL (lib/kafka_client.py)

@@ -17,7 +17,7 @@ def messages(src, table: str) -> list[tuple[bytes, bytes | None, int]]:
     """(key bytes, value bytes or None, offset) of every message of a small_source table's topic."""
     conf = src.conf
     described = catalog.describe_tables(src.admin, [f"{src.schema}.{table}"])[f"{src.schema}.{table}"]
-    topic = avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), described)
+    topic = avro_schemas.topic_for(conf, described)
     consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
                          "group.id": f"test-{time.monotonic_ns()}", "enable.auto.commit": False})
     try:

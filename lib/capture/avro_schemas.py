@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+from lib import config
 from lib.capture import pgtypes
 from lib.capture.catalog import CatalogError, Table
 
@@ -60,21 +61,28 @@ def namespace(topic_prefix: str | None, table: Table) -> str:
     return ".".join(avro_name(p) for p in parts)
 
 
-def topic_name(topic_prefix: str, table: Table | str) -> str:
-    """'<prefix>.<schema>.<table>'; characters Kafka does not allow become '_'."""
+def topic_name(topic_prefix: str, table: Table | str, named: dict | None = None) -> str:
+    """'<prefix>.<schema>.<table>', or the table's entry in named (conf kafka.topics); characters Kafka does not
+    allow become '_'."""
     qualified = table.qualified if isinstance(table, Table) else table
-    name = _TOPIC_CHARS.sub("_", f"{topic_prefix}.{qualified}")
+    chosen = (named or {}).get(qualified)
+    name = _TOPIC_CHARS.sub("_", chosen or f"{topic_prefix}.{qualified}")
     if len(name) > 249:
-        raise ValueError(f"topic name for {qualified} is longer than Kafka's 249 characters: "
-                         f"shorten kafka.topic_prefix")
+        setting = f"kafka.topics.{qualified}" if chosen else "kafka.topic_prefix"
+        raise ValueError(f"topic name for {qualified} is longer than Kafka's 249 characters: shorten {setting}")
     return name
 
 
-def shared_topics(topic_prefix: str, tables) -> dict[str, list[str]]:
+def topic_for(conf: dict, table: Table | str) -> str:
+    """The topic of a table under conf: kafka.topics names it, else '<kafka.topic_prefix>.<schema>.<table>'."""
+    return topic_name(config.get(conf, "kafka.topic_prefix"), table, config.get(conf, "kafka.topics"))
+
+
+def shared_topics(topic_prefix: str, tables, named: dict | None = None) -> dict[str, list[str]]:
     """Topics that more than one of tables would write (names differing only in characters Kafka does not allow)."""
     by_topic: dict[str, list[str]] = {}
     for table in tables:
-        by_topic.setdefault(topic_name(topic_prefix, table), []).append(
+        by_topic.setdefault(topic_name(topic_prefix, table, named), []).append(
             table.qualified if isinstance(table, Table) else table)
     return {topic: names for topic, names in by_topic.items() if len(names) > 1}
 

@@ -109,7 +109,7 @@ def table_findings(conn, conf: dict, user: str) -> tuple[dict[str, catalog.Table
             except pgtypes.UnsupportedTypeError as exc:
                 findings.append(Finding(f"{name}: column types mapped to Avro", False, str(exc),
                                         "cast the column or set source.unknown_types: string"))
-    shared = avro_schemas.shared_topics(prefix, tables.values())
+    shared = avro_schemas.shared_topics(prefix, tables.values(), config.get(conf, "kafka.topics"))
     for topic, names in shared.items():
         findings.append(Finding(
             f"one topic per table ({topic})", False, f"{' and '.join(names)} would both write topic {topic}",
@@ -248,8 +248,7 @@ def ensure_topics(conf: dict, tables: dict[str, catalog.Table]) -> dict[str, str
     """One compacted topic per table plus the control topic; per topic 'created' or 'exists'."""
     kafka_client.check(conf)  # a refused login or an unknown CA, named, before any topic call
     admin = kafka_client.admin(conf)
-    prefix = config.get(conf, "kafka.topic_prefix")
-    names = [avro_schemas.topic_name(prefix, t) for t in tables.values()]
+    names = [avro_schemas.topic_for(conf, t) for t in tables.values()]
     retention_ms = int(config.get(conf, "kafka.delete_retention_ms"))
     report = topics.ensure_topics(admin, names, int(config.get(conf, "kafka.partitions")),
                                   delete_retention_ms=retention_ms)
@@ -264,7 +263,7 @@ def register_schemas(conf: dict, tables: dict[str, catalog.Table]) -> list[dict]
     unknown_types = config.get(conf, "source.unknown_types")
     rows = []
     for table in tables.values():
-        topic = avro_schemas.topic_name(prefix, table)
+        topic = avro_schemas.topic_for(conf, table)
         key_subject, value_subject = schema_registry.subjects(topic)
         for subject, schema in ((key_subject, avro_schemas.key_schema(table, prefix, unknown_types)),
                                 (value_subject, avro_schemas.value_schema(table, prefix, unknown_types))):

@@ -19,7 +19,7 @@ def change(st: State, m, lsn: int) -> None:
     if tx is None:
         raise StreamError(f"{m.kind} message at LSN {lsn_to_str(lsn)} outside a transaction (protocol error); "
                           f"restart the capture")
-    plan = st.relations.plans.get(m.relation_oid) or relations.plan_for(st, m.relation_oid)
+    plan = st.relations.plans.get(m.relation_oid) or relations.plan_for(st, m.relation_oid, lsn)
     try:
         pairs, st.serial = events.encoded_events(plan, m, lsn, tx, st.serial)
     except events.EventError as exc:

@@ -66,12 +66,13 @@ class Plan:
                  "key_names", "key_index", "key_schema", "value_schema", "key_id", "value_id", "encode_key",
                  "encode_value", "_key_list", "_value_list", "_value_prefix", "_tx", "_tx_parts", "_fast")
 
-    def __init__(self, table: Table, topic_prefix: str, database: str, unknown_types: str = "error") -> None:
+    def __init__(self, table: Table, topic_prefix: str, database: str, unknown_types: str = "error",
+                 topic: str | None = None) -> None:
         names = avro_schemas.field_names(table.columns)
         columns = [c for c in table.columns if not c.generated]  # pgoutput (PostgreSQL <= 17) does not send them
         self.table = table
         self.qualified = table.qualified
-        self.topic = avro_schemas.topic_name(topic_prefix, table)
+        self.topic = topic or avro_schemas.topic_name(topic_prefix, table)
         self.prefix = topic_prefix
         self.database = database
         self.columns = tuple(columns)
@@ -195,9 +196,10 @@ class Plan:
         return None if values is None else dict(zip(self.names, values, strict=True))
 
 
-def plan(table: Table, topic_prefix: str, database: str, unknown_types: str = "error") -> Plan:
+def plan(table: Table, topic_prefix: str, database: str, unknown_types: str = "error",
+         topic: str | None = None) -> Plan:
     """The event plan of a table (its columns as pgoutput sends them: every non-generated column in order)."""
-    return Plan(table, topic_prefix, database, unknown_types)
+    return Plan(table, topic_prefix, database, unknown_types, topic)
 
 
 def _envelope_layout_ok(schema: dict, names: tuple[str, ...]) -> bool:

@@ -37,8 +37,8 @@ import time
 import psycopg2
 from psycopg2 import sql
 
-from lib import config, control, source
-from lib.capture import bootstrap, catalog
+from lib import config, control, schema_registry, source
+from lib.capture import avro_schemas, bootstrap, catalog
 from lib.capture.pgoutput import str_to_lsn
 from lib.capture.pgtypes import session_options
 
@@ -52,6 +52,17 @@ class IncrementalError(RuntimeError):
 def record_key(slot: str, table: str) -> str:
     """The control-topic key of a table's incremental snapshot."""
     return f"incremental/{slot}/{table}"
+
+
+def rekey_key(slot: str, table: str) -> str:
+    """The control-topic key of a table's re-key: the topic it moved to and the one it wrote before."""
+    return f"rekey/{slot}/{table}"
+
+
+def next_topic(topic: str) -> str:
+    """A name for a re-keyed table's next topic: '<topic>.v2', or the version after the one topic ends with."""
+    base, _, version = topic.rpartition(".v")
+    return f"{base}.v{int(version) + 1}" if base and version.isdigit() else f"{topic}.v2"
 
 
 def progress(conf: dict, records: dict | None = None) -> list[dict]:
@@ -148,6 +159,67 @@ def resnapshot_table(conf: dict, name: str, log=print) -> dict:
     record = request(conf, table, "resnapshot", state="ready")
     log(f"incremental {table.qualified}: snapshot requested")
     return record
+
+
+def rekey_table(conf: dict, name: str, log=print) -> dict:
+    """Move a table whose key changed by DDL to the new topic conf names for it (kafka.topics) and read it anew there.
+
+    Operators: the table's old topic keeps its old key's messages (changes made before the key's
+    DDL still go there) and is no longer merged, but the merge still subscribes to it (Spark
+    fails a checkpoint whose topic disappears): keep it while that checkpoint is in use. The
+    merge empties the table's silver table when it starts with this conf and rebuilds it from
+    the new topic, so silver lacks rows until the table's chunked snapshot has been merged.
+    """
+    table = _configured(conf, name)
+    slot = config.get(conf, "source.slot")
+    topic = avro_schemas.topic_for(conf, table)
+    earlier = control.read_all(conf).get(rekey_key(slot, table.qualified))
+    if earlier and earlier["topic"] == topic:
+        retired = earlier["retired_topic"]  # run again: the same move
+    else:
+        retired = earlier["topic"] if earlier else avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"),
+                                                                           table)
+    if retired == topic or topic in (earlier or {}).get("retired_topics", []):
+        raise IncrementalError(f"re-keying {table.qualified} needs a topic it never wrote before (a merge checkpoint "
+                               f"has read {topic} already), and conf names none: add it under kafka.topics in "
+                               f"{conf.get('conf_file', 'conf')} ({table.qualified}: {next_topic(retired)}), then run "
+                               f"this again")
+    _require_key_room(conf, table, topic)
+    bootstrap.ensure_topics(conf, {name: table})
+    bootstrap.register_schemas(conf, {name: table})  # the new key first: the capture routes the old one by it
+    conn = source.connect(conf)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_current_wal_lsn()::text")  # every change under the old key was made before it
+            before = cur.fetchone()[0]
+    finally:
+        conn.close()
+    every = list(dict.fromkeys([*(earlier or {}).get("retired_topics", []), retired]))  # a merge checkpoint holds all
+    record = {"table": table.qualified, "topic": topic, "retired_topic": retired, "retired_topics": every,
+              "before_lsn": before, "key_columns": list(table.primary_key), "requested_ms": int(time.time() * 1000)}
+    control.put(conf, rekey_key(slot, table.qualified), record)
+    request(conf, table, "rekey", state="ready")
+    log(f"rekey {table.qualified}: key ({', '.join(table.primary_key)}) now goes to topic {topic}, read anew in "
+        f"chunks; {retired} keeps the old key's messages and is no longer merged (the merge still subscribes to it: "
+        f"keep it while its checkpoint is in use)")
+    return record
+
+
+def _require_key_room(conf: dict, table: catalog.Table, topic: str) -> None:
+    """Refuse a new topic whose key subject already holds another key than the table's."""
+    subject = schema_registry.subjects(topic)[0]
+    registry = schema_registry.client(conf)
+    wanted = avro_schemas.key_schema(table, config.get(conf, "kafka.topic_prefix"),
+                                     config.get(conf, "source.unknown_types"))
+    try:
+        versions = registry.get_versions(subject)
+    except Exception:  # noqa: BLE001 - no subject yet (404); any other problem shows when the schemas are registered
+        return
+    first = json.loads(registry.get_version(subject, versions[0]).schema.schema_str) if versions else None
+    if first is not None and [f["name"] for f in first["fields"]] != [f["name"] for f in wanted["fields"]]:
+        raise IncrementalError(f"topic {topic} already carries keys ({', '.join(f['name'] for f in first['fields'])}) "
+                               f"that are not {table.qualified}'s key ({', '.join(table.primary_key)}): name another "
+                               f"topic under kafka.topics")
 
 
 def remove_table(conf: dict, name: str, log=print) -> dict:

@@ -9,8 +9,7 @@ import threading
 import time
 
 from lib import control, schema_registry
-from lib.capture import catalog, delivery, events, incremental
-from lib.capture.avro_schemas import topic_name
+from lib.capture import avro_schemas, catalog, delivery, events, incremental
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.stream_state import DeliveryError, State, StreamError
 
@@ -29,11 +28,17 @@ def check_requests(st: State, catch_up: bool = False) -> None:
     for record in requests:
         table = record["table"]
         if table not in st.relations.topics:  # added live: its changes may arrive from now on
-            st.relations.topics[table] = topic_name(st.prefix, _describe(st, table, record.get("declared_key")))
+            described = _describe(st, table, record.get("declared_key"))
+            st.relations.topics[table] = avro_schemas.topic_for(st.conf, described)
             if record.get("declared_key"):
                 st.relations.keys[table] = record["declared_key"]
         if table in queued or record["state"] == "requested":  # 'requested': not published yet, no chunk
             continue
+        moved = st.control.records.get(incremental.rekey_key(st.slot, table)) if record["reason"] == "rekey" else None
+        if moved and moved["topic"] != st.relations.topics[table]:
+            raise StreamError(f"table {table} was re-keyed to topic {moved['topic']}, but this capture's conf sends it "
+                              f"to {st.relations.topics[table]}: restart the capture with the conf that names "
+                              f"{moved['topic']} under kafka.topics (the slot stays at {lsn_to_str(st.acks.acked)})")
         st.chunks.requests.append(record)
         st.log(f"incremental {table}: {record['state']}, resuming after key {record['last_key']}"
                if record.get("last_key") else f"incremental {table}: starting")
@@ -70,7 +75,7 @@ def next_chunk(st: State) -> None:
         return
     record = st.chunks.requests[0]
     table = _describe(st, record["table"], record.get("declared_key"))
-    plan = events.plan(table, st.prefix, st.database, st.unknown_types)
+    plan = events.plan(table, st.prefix, st.database, st.unknown_types, st.relations.topics[table.qualified])
     key_subject, value_subject = schema_registry.subjects(plan.topic)
     try:
         key_id = schema_registry.register(st.registry, key_subject, plan.key_schema)[0]

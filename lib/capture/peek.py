@@ -8,13 +8,8 @@ from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from lib import config, kafka_client, schema_registry
+from lib import kafka_client, schema_registry
 from lib.capture import avro_schemas
-
-
-def topic_for(conf: dict, table: str) -> str:
-    """The topic of a configured table name like 'bank.customers'."""
-    return avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), table)
 
 
 def read(conf: dict, table: str, last: int | None = None, timeout: float = 30.0) -> list[dict]:
@@ -22,7 +17,7 @@ def read(conf: dict, table: str, last: int | None = None, timeout: float = 30.0)
 
     Each item: partition, offset, key (dict), op, before, after, source position, or value None for a tombstone.
     """
-    topic = topic_for(conf, table)
+    topic = avro_schemas.topic_for(conf, table)
     registry = schema_registry.client(conf)
     decode = AvroDeserializer(registry)
     consumer = kafka_client.consumer(conf, "cdc-peek")

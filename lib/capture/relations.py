@@ -17,7 +17,7 @@ from lib.capture import (
     incremental_chunks,
     pgtypes,
 )
-from lib.capture.pgoutput import lsn_to_str
+from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.capture.stream_state import SchemaChangeError, State, StreamError
 
 
@@ -27,8 +27,8 @@ def remember_relation(st: State, m) -> None:
     st.relations.plans.pop(m.relation_oid, None)
 
 
-def plan_for(st: State, oid: int) -> events.Plan:
-    """The plan of a relation's current shape (catalog read and schemas registered on first use)."""
+def plan_for(st: State, oid: int, lsn: int) -> events.Plan:
+    """The plan of a relation's current shape (catalog read and schemas registered on first use) for a change at lsn."""
     relation = st.relations.messages.get(oid)
     if relation is None:
         raise StreamError(f"change for relation {oid} before its Relation message (protocol error); restart the "
@@ -36,12 +36,14 @@ def plan_for(st: State, oid: int) -> events.Plan:
     shape = (relation.namespace, relation.name, relation.replica_identity, relation.columns)
     plan = st.relations.shapes.get(shape)
     if plan is None:
-        plan = st.relations.shapes[shape] = _build_plan(st, relation)
+        plan = _build_plan(st, relation, lsn)
+        if plan.topic == st.relations.topics[plan.qualified]:  # a plan for a retired topic holds only until the DDL
+            st.relations.shapes[shape] = plan
     st.relations.plans[oid] = plan
     return plan
 
 
-def _build_plan(st: State, relation) -> events.Plan:
+def _build_plan(st: State, relation, lsn: int) -> events.Plan:
     qualified = f"{relation.namespace}.{relation.name}"
     stopped = f"the capture stopped before this change; the slot stays at {lsn_to_str(st.acks.acked)}"
     if qualified not in st.relations.topics:
@@ -64,10 +66,15 @@ def _build_plan(st: State, relation) -> events.Plan:
         declared = {name: st.relations.keys[qualified]} if qualified in st.relations.keys else None
         table = catalog.describe_tables(st.sql, [name], declared)[name]
         catalog.check_capturable(table)
-        table = _match_relation(st, table, relation)
-        plan = events.plan(table, st.prefix, st.database, st.unknown_types)
+        table = _key_as_sent(st, _match_relation(st, table, relation), relation)
+        plan = events.plan(table, st.prefix, st.database, st.unknown_types, st.relations.topics[qualified])
     except (catalog.CatalogError, pgtypes.UnsupportedTypeError, ValueError) as exc:
         raise StreamError(f"{exc}; {stopped}") from exc
+    retired = _retired_topic(st, plan, lsn)
+    if retired is not None:
+        st.log(f"rekey     {qualified}: a change under the key it had before it was re-keyed goes to {retired}, the "
+               f"topic of that key ({plan.topic} holds the new key and reads the table anew)")
+        plan.topic = retired
     subjects = schema_registry.subjects(plan.topic)
     known = st.relations.tables.get(qualified)
     previous = _columns(known) if known is not None else _registered_columns(st, subjects[1])
@@ -134,6 +141,37 @@ def _request_backfill(st: State, table: catalog.Table, previous: dict[str, str] 
     st.log(f"schema    {table.qualified}: {why}; reading the table again (incremental snapshot)")
 
 
+def _retired_topic(st: State, plan: events.Plan, lsn: int) -> str | None:
+    """The topic a re-keyed table wrote before (python -m lib.operate.tables rekey) when a change at lsn still has the
+    old key and was made before the re-key (so before the key's DDL: it belongs there); None otherwise."""
+    record = st.control.records.get(incremental.rekey_key(st.slot, plan.qualified)) if st.control else None
+    if not record or record.get("topic") != plan.topic or lsn >= str_to_lsn(record["before_lsn"]):
+        return None
+    new = _first_key(st, schema_registry.subjects(plan.topic)[0])
+    if new is None or _key_signature(new[1]) == _key_signature(plan.key_schema):
+        return None
+    old = _first_key(st, schema_registry.subjects(record["retired_topic"])[0])
+    return record["retired_topic"] if old and _key_signature(old[1]) == _key_signature(plan.key_schema) else None
+
+
+def _first_key(st: State, subject: str) -> tuple[int, dict] | None:
+    """(id, schema) of the first key schema registered under subject (the one its topic's key bytes carry), or None."""
+    try:
+        versions = st.registry.get_versions(subject)
+        if not versions:
+            return None
+        first = st.registry.get_version(subject, versions[0])
+    except SchemaRegistryError as exc:
+        if exc.http_status_code == 404:
+            return None
+        raise schema_registry.RegistryError(f"subject {subject}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - connection errors of the registry client
+        raise schema_registry.RegistryError(f"cannot reach the schema registry for subject {subject}: "
+                                            f"{type(exc).__name__}: {exc}; "
+                                            f"{schema_registry.unreachable_remedy(exc)}") from exc
+    return first.schema_id, json.loads(first.schema.schema_str)
+
+
 def _key_ids(st: State, plan: events.Plan, subject: str, stopped: str) -> tuple[int, int | None, tuple]:
     """Registry ids for the table's keys such that a row's key bytes never change while it keeps its topic.
 
@@ -143,26 +181,16 @@ def _key_ids(st: State, plan: events.Plan, subject: str, stopped: str) -> tuple[
     Anything else (other key columns, another type) is refused: it needs a new topic.
     Returns (first key id, id for widened values or None, positions of widened fields).
     """
-    try:
-        versions = st.registry.get_versions(subject)
-    except SchemaRegistryError as exc:
-        if exc.http_status_code != 404:
-            raise schema_registry.RegistryError(f"subject {subject}: {exc}") from exc
-        versions = []
-    except Exception as exc:  # noqa: BLE001 - connection errors of the registry client
-        raise schema_registry.RegistryError(f"cannot reach the schema registry for subject {subject}: "
-                                            f"{type(exc).__name__}: {exc}; "
-                                            f"{schema_registry.unreachable_remedy(exc)}") from exc
-    if not versions:
+    first = _first_key(st, subject)
+    if first is None:
         key_id, _, _ = schema_registry.register(st.registry, subject, plan.key_schema)
         return key_id, None, ()
-    first = st.registry.get_version(subject, versions[0])
-    old = _key_signature(json.loads(first.schema.schema_str))
+    first_id, old = first[0], _key_signature(first[1])
     new = _key_signature(plan.key_schema)
     remedy = (f"{stopped}. Compaction keeps a key only under the exact bytes it was written with, so a new key needs "
-              f"a new topic: restore the key, or re-key the table (remove it with python -m lib.operate.tables remove, "
-              f"delete topic {plan.topic}, its subjects and its Delta tables, then add it again with python -m "
-              f"lib.operate.tables add, which reads it anew)")
+              f"a new topic: restore the key, or re-key the table: name a new topic for it in conf (kafka.topics: "
+              f"{{{plan.qualified}: {incremental.next_topic(plan.topic)}}}), then run python -m lib.operate.tables "
+              f"rekey {plan.qualified}, which reads the table anew into that topic and rebuilds its silver table")
     if [name for name, _ in old] != [name for name, _ in new]:
         was, now = ", ".join(n for n, _ in old), ", ".join(n for n, _ in new)
         raise SchemaChangeError(f"table {plan.qualified}: the primary key changed from ({was}) to ({now}); {remedy}")
@@ -175,9 +203,9 @@ def _key_ids(st: State, plan: events.Plan, subject: str, stopped: str) -> tuple[
                                     f"Avro), which changes every key's bytes; {remedy}")
         widened.append(i)
     if not widened:
-        return first.schema_id, None, ()
+        return first_id, None, ()
     wide_id, _, _ = schema_registry.register(st.registry, subject, plan.key_schema)
-    return first.schema_id, wide_id, tuple(widened)
+    return first_id, wide_id, tuple(widened)
 
 
 def _key_signature(schema: dict) -> list[tuple[str, str]]:
@@ -210,8 +238,23 @@ def _match_relation(st: State, table: catalog.Table, relation) -> catalog.Table:
     if missing:
         raise StreamError(f"table {table.qualified}: primary key column(s) {', '.join(missing)} are not in the "
                           f"change's Relation message (the key changed since): the topic's key must change, which "
-                          f"needs a new topic and a new snapshot (notebooks 01 and 02)")
+                          f"needs a new topic: name one under kafka.topics and run python -m lib.operate.tables "
+                          f"rekey {table.qualified}")
     return dataclasses.replace(table, columns=tuple(columns))
+
+
+def _key_as_sent(st: State, table: catalog.Table, relation) -> catalog.Table:
+    """The table with the key its change was made under: the Relation message flags the key columns as they were
+    then, the catalog shows them as they are now (a change made before a key's DDL keeps the old key)."""
+    sent = [rc.name for rc in relation.columns if rc.key]
+    if relation.replica_identity not in ("d", "i") or not sent or set(sent) == set(table.primary_key) \
+            or table.key_source == "source.keys":
+        return table
+    record = st.control.records.get(incremental.rekey_key(st.slot, table.qualified)) if st.control else None
+    first = _first_key(st, schema_registry.subjects(record["retired_topic"])[0]) if record else None
+    order = [f.get("pg.column", f["name"]) for f in first[1]["fields"]] if first else []
+    key = order if set(order) == set(sent) else sent  # the old key's own order when its topic knows it
+    return dataclasses.replace(table, primary_key=tuple(key))
 
 
 def _column_from_relation(st: State, table: catalog.Table, rc, known, attnum: int) -> catalog.Column:

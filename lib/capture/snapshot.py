@@ -115,7 +115,7 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
         _require_publication(conn, conf, tables)
     finally:
         conn.close()
-    topics = {name: avro_schemas.topic_name(prefix, table) for name, table in tables.items()}
+    topics = {name: avro_schemas.topic_for(conf, table) for name, table in tables.items()}
     _require_topics(conf, list(topics.values()) + [control.topic(conf)])
     registry = schema_registry.client(conf)
     schemas = {}

@@ -33,7 +33,6 @@ from lib.capture import (
     replication,
     streamed_transactions,
 )
-from lib.capture.avro_schemas import topic_name
 from lib.capture.pgoutput import PgOutputError, lsn_to_str, str_to_lsn
 from lib.capture.stream_state import DeliveryError, SnapshotIncompleteError, State, StreamError
 
@@ -161,12 +160,13 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     names = list(config.get(conf, "source.tables"))
     declared = config.get(conf, "source.keys") or {}
     described = catalog.describe_tables(st.sql, names, declared)
-    for topic, shared in avro_schemas.shared_topics(st.prefix, described.values()).items():
+    named = config.get(conf, "kafka.topics")
+    for topic, shared in avro_schemas.shared_topics(st.prefix, described.values(), named).items():
         raise StreamError(f"tables {' and '.join(shared)} would both write topic {topic} (Kafka topic names allow "
                           f"only letters, digits, '.', '_' and '-'): rename one, or capture it with another conf")
     for name, table in described.items():
         catalog.check_capturable(table)
-        st.relations.topics[table.qualified] = topic_name(st.prefix, table)
+        st.relations.topics[table.qualified] = avro_schemas.topic_for(conf, table)
         if name in declared:
             st.relations.keys[table.qualified] = declared[name]
     _check_topics(st)

@@ -8,7 +8,8 @@ from pyspark.sql import types as T
 from lib.lake.lake_paths import quote
 
 
-def ensure_table(spark: SparkSession, path: str, schema: T.StructType, stats_columns: list[str] | None = None):
+def ensure_table(spark: SparkSession, path: str, schema: T.StructType, stats_columns: list[str] | None = None,
+                 properties: dict[str, str] | None = None):
     """Create the Delta table at path if missing.
 
     Deletion vectors stay off: on small micro-batches they made each MERGE several jobs slower. Type
@@ -23,6 +24,8 @@ def ensure_table(spark: SparkSession, path: str, schema: T.StructType, stats_col
         .property("delta.enableDeletionVectors", "false")
     if stats_columns and len(schema.fields) > 32:
         builder = builder.property("delta.dataSkippingStatsColumns", ",".join(quote(c) for c in stats_columns))
+    for key, value in (properties or {}).items():
+        builder = builder.property(key, value)
     return builder.execute()
 
 

@@ -33,11 +33,10 @@ class TableSpec:
 
 def table_specs(conf: dict) -> list[TableSpec]:
     """The configured tables (source.tables) with their topics; unquoted names fold to lower case like SQL."""
-    prefix = config.get(conf, "kafka.topic_prefix")
     specs = []
     for name in config.get(conf, "source.tables"):
         schema, table = catalog.normalize(name)
-        specs.append(TableSpec(schema, table, avro_schemas.topic_name(prefix, f"{schema}.{table}")))
+        specs.append(TableSpec(schema, table, avro_schemas.topic_for(conf, f"{schema}.{table}")))
     return specs
 
 

@@ -10,6 +10,7 @@ import logging
 from pyspark.sql import DataFrame, SparkSession
 
 from lib import config, control, kafka_client, secrets
+from lib.capture import incremental
 from lib.lake import lake_paths, micro_batch, silver_table
 from lib.lake.lake_paths import MergeError, query_name
 
@@ -56,12 +57,25 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
 # the streaming query
 
 
-def kafka_options(conf: dict) -> dict[str, str]:
+def retired_topics(conf: dict) -> list[str]:
+    """The topics re-keyed tables wrote before (python -m lib.operate.tables rekey), from the control topic.
+
+    The merge still subscribes to them, since Spark fails a query whose checkpoint holds a topic it no
+    longer reads (as lost data), and skips their messages: the table's new topic holds it anew.
+    """
+    prefix = incremental.rekey_key(config.get(conf, "source.slot"), "")
+    records = control.read_all(conf, timeout=float(config.get(conf, "merge.control_timeout_s")))
+    current = {spec.topic for spec in lake_paths.table_specs(conf)}
+    return sorted({t for key, r in records.items() if key.startswith(prefix) for t in r["retired_topics"]} - current)
+
+
+def kafka_options(conf: dict, retired: list[str] = ()) -> dict[str, str]:
     """Kafka source options from conf: servers and security, topics, earliest start, maxOffsetsPerTrigger, extras."""
     options = {
         **kafka_client.spark_options(conf),
         # the control topic too: a truncate alone (no later change) must still start a micro-batch
-        "subscribe": ",".join([spec.topic for spec in lake_paths.table_specs(conf)] + [control.topic(conf)]),
+        "subscribe": ",".join([spec.topic for spec in lake_paths.table_specs(conf)] + list(retired)
+                              + [control.topic(conf)]),
         # only for a new checkpoint: on a reused one Spark resumes from it and reads a topic added to conf since
         # (lib.operate.tables add) from its earliest offset (tests/test_incremental.py)
         "startingOffsets": "earliest",
@@ -76,11 +90,11 @@ def kafka_options(conf: dict) -> dict[str, str]:
     return options
 
 
-def read_stream(conf: dict, spark: SparkSession) -> DataFrame:
+def read_stream(conf: dict, spark: SparkSession, retired: list[str] = ()) -> DataFrame:
     """The streaming DataFrame of every configured table topic (Kafka's key, value, topic, partition, ...)."""
     kafka_client.hide_login(spark)
     reader = spark.readStream.format("kafka")
-    for key, value in kafka_options(conf).items():
+    for key, value in kafka_options(conf, retired).items():
         reader = reader.option(key, value)
     return reader.load()
 
@@ -92,10 +106,11 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     the start (safe: silver only moves forward; bronze gets the events again).
     """
     kafka_client.check(conf)  # a refused login or an unknown CA, named, before Spark's own client retries
+    silver_table.rebuild_moved(conf, spark)  # before the query: a re-keyed table's silver is rebuilt from its new topic
     name = query_name(conf)
     ctx = micro_batch.context(conf, name)
-    ctx.session = spark
-    writer = read_stream(conf, spark).writeStream.queryName(name) \
+    ctx.session, ctx.retired = spark, frozenset(retired_topics(conf))
+    writer = read_stream(conf, spark, sorted(ctx.retired)).writeStream.queryName(name) \
         .option("checkpointLocation", lake_paths.checkpoint_path(conf, name)) \
         .foreachBatch(lambda frame, batch_id: micro_batch.process_batch(frame, batch_id, ctx))
     if trigger == "available_now":

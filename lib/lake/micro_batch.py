@@ -57,6 +57,7 @@ class MergeContext:
     failure: tuple[int, BaseException] | None = None  # the last batch that raised, and why
     ready: dict = field(default_factory=dict)  # Delta path -> what is known of it (schema, has files)
     appended: dict = field(default_factory=dict)  # bronze path -> last batch id appended by this context
+    retired: frozenset = frozenset()  # topics re-keyed tables wrote before: read (Spark needs it), skipped
 
     def spec(self, topic: str) -> TableSpec | None:
         """The table a topic belongs to."""
@@ -118,7 +119,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
         stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}, "seconds_by_table": {}}
         if not present:
             return stats
-        unknown = [t for t in present if t != control_topic and ctx.spec(t) is None]
+        unknown = [t for t in present if t != control_topic and t not in ctx.retired and ctx.spec(t) is None]
         if unknown:
             raise MergeError(f"micro-batch {batch_id} holds topic(s) {', '.join(unknown)}, which are not configured "
                              f"tables' topics; check source.tables and kafka.topic_prefix")

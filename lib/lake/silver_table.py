@@ -12,11 +12,14 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from lib import config
+from lib.capture import avro_schemas
 from lib.lake import delta_io, lake_paths
 from lib.lake.lake_paths import META_COLUMNS, MergeError, TableSpec, quote
 from lib.lake.writer_schemas import Layout
 
 log = logging.getLogger(__name__)
+
+TOPIC_PROPERTY = "cdc.topic"  # the topic a silver table is built from (a re-keyed table moves to another)
 
 
 
@@ -226,7 +229,8 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
     ready = {} if ready is None else ready
     known = ready.get(path)
     if known is None or known["row"] != layout.row:
-        table = delta_io.ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS))
+        table = delta_io.ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS),
+                                      {TOPIC_PROPERTY: spec.topic})
         _align_columns(spark, table, path, spec, layout.row)
         known = ready[path] = {"row": layout.row, "filled": False}
     table = DeltaTable.forPath(spark, path)
@@ -248,6 +252,31 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
             log.warning("merge %s: Delta refused the MERGE (%s); running it again on a checkpointed copy of "
                         "the source", spec.qualified, "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION")
             source = source.localCheckpoint(eager=True)
+
+
+def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:
+    """Empty the silver table of each table conf now reads from a new topic (a re-keyed table); their names.
+
+    Operators: the rows come back as the merge reads the new topic, which holds the table's chunked
+    snapshot (python -m lib.operate.tables rekey); silver lacks rows until then.
+    """
+    from delta.tables import DeltaTable
+
+    prefix, emptied = config.get(conf, "kafka.topic_prefix"), []
+    for spec in lake_paths.table_specs(conf):
+        default = avro_schemas.topic_name(prefix, spec.qualified)
+        path = lake_paths.silver_path(conf, spec)
+        if spec.topic == default or not DeltaTable.isDeltaTable(spark, path):
+            continue  # only a table named under kafka.topics can have moved
+        built_from = DeltaTable.forPath(spark, path).detail().collect()[0]["properties"].get(TOPIC_PROPERTY, default)
+        if built_from == spec.topic:
+            continue
+        spark.sql(f"DELETE FROM delta.{quote(path)}")  # first: a crash before the property just empties it again
+        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('{TOPIC_PROPERTY}' = '{spec.topic}')")
+        log.warning("merge %s: silver was built from topic %s and conf now reads %s (a re-keyed table): emptied, "
+                    "rebuilt from %s", spec.qualified, built_from, spec.topic, spec.topic)
+        emptied.append(spec.qualified)
+    return emptied
 
 
 def truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, object]) -> bool:

@@ -1,4 +1,4 @@
-"""Change the set of tables a running pipeline captures: add one, snapshot one again, remove one.
+"""Change the set of tables a running pipeline captures: add one, snapshot one again, re-key one, remove one.
 
 ``add_table`` publishes the table and requests its chunked snapshot (lib/capture/incremental.py), then
 points the local continuous mode at the new conf: when a service runs, its conf.json is rewritten (a
@@ -22,8 +22,25 @@ def add_table(conf: dict, name: str, log=print) -> dict:
     """Publish a table listed in source.tables, create its topic and schemas, request its snapshot, and have the
     local services use the new conf."""
     record = incremental.add_table(conf, name, log)
-    update_services(conf, record["table"], avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"),
-                                                                   record["table"]), log)
+    update_services(conf, record["table"], avro_schemas.topic_for(conf, record["table"]), log)
+    return record
+
+
+def rekey_table(conf: dict, name: str, log=print) -> dict:
+    """Move a table whose key changed by DDL to its new topic (conf kafka.topics) and read it anew, the local services
+    stopped meanwhile and started again with conf.
+
+    A capture or merge running elsewhere (a notebook, the Databricks jobs) must be stopped first and
+    started again with the new conf: the capture refuses the re-key's snapshot under its old conf.
+    """
+    was = [row["service"] for row in service.status(conf) if row["state"] in ("running", "crashed")]
+    service.stop(conf, tuple(was), log=lambda line: log(f"rekey {name}: {line.strip()}"))
+    record = incremental.rekey_table(conf, name, log)
+    if was:
+        service.start(conf, tuple(was), log=lambda line: log(f"rekey {name}: {line.strip()}"))
+    else:
+        log(f"rekey {name}: no local service runs here; start the capture and the merge with this conf (notebooks "
+            f"03 and 04, or the Databricks jobs cdc_capture and cdc_merge)")
     return record
 
 
@@ -51,9 +68,9 @@ def update_services(conf: dict, table: str, topic: str, log=print) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m lib.operate.tables add|resnapshot|remove <schema.table> | status  [--target local]."""
+    """python -m lib.operate.tables add|resnapshot|rekey|remove <schema.table> | status  [--target local]."""
     parser = argparse.ArgumentParser(prog="python -m lib.operate.tables", description=main.__doc__)
-    parser.add_argument("action", choices=("add", "resnapshot", "remove", "status"))
+    parser.add_argument("action", choices=("add", "resnapshot", "rekey", "remove", "status"))
     parser.add_argument("table", nargs="?", help="schema.table as listed in source.tables")
     parser.add_argument("--target", default=None, help="conf/<target>.yml (default: CDC_TARGET or local)")
     args = parser.parse_args(argv)
@@ -65,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.table:
         parser.error(f"{args.action} needs a table (schema.table)")
-    action = {"add": add_table, "resnapshot": incremental.resnapshot_table,
+    action = {"add": add_table, "resnapshot": incremental.resnapshot_table, "rekey": rekey_table,
               "remove": incremental.remove_table}[args.action]
     try:
         action(conf, args.table)
-    except incremental.IncrementalError as exc:
+    except (incremental.IncrementalError, service.ServiceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -22,6 +22,7 @@ import sys
 from psycopg2 import sql
 
 from lib import config, control, kafka_client, schema_registry, source
+from lib.capture import incremental
 from lib.lake import lake_paths
 from lib.operate import monitor, service
 
@@ -51,10 +52,13 @@ def plan(conf: dict, topics: bool = False) -> dict:
     finally:
         conn.close()
     try:
-        record = control.snapshot_state(conf, slot)
+        records = control.read_all(conf)
     except control.ControlError:
-        record = None
-    names = [spec.topic for spec in lake_paths.table_specs(conf)] + [control.topic(conf)]
+        records = {}
+    record = records.get(f"snapshot/{slot}")
+    retired = [t for key, r in records.items() if key.startswith(incremental.rekey_key(slot, ""))
+               for t in r["retired_topics"]]
+    names = [spec.topic for spec in lake_paths.table_specs(conf)] + retired + [control.topic(conf)]
     found_topics, subjects = {}, []
     if topics:
         found_topics = {t: sum(p.values()) for t, p in monitor.end_offsets(conf, names).items()}
