@@ -11,6 +11,7 @@ import glob
 import hashlib
 import os
 import re
+import sys
 import tempfile
 
 from pyspark.sql import SparkSession
@@ -36,6 +37,7 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
     """Databricks' session unchanged, else a local[*] session with Delta, Kafka and Avro jars from jars_dir."""
     if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers (the snapshot's COPY reader) need this venv
     jars = local_jars(jars_dir) if jars_dir else []
     if not jars:
         raise RuntimeError(f"no Spark jars in {jars_dir or '(no jars_dir given)'}: run `make install` to fetch them")

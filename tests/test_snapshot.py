@@ -29,7 +29,16 @@ from psycopg2 import sql
 
 from lib import config, control, schema_registry, source
 from lib import topics as topics_lib
-from lib.capture import avro_schemas, catalog, pgtypes, snapshot, snapshot_read, snapshot_slot, snapshot_write
+from lib.capture import (
+    avro_schemas,
+    catalog,
+    pgtypes,
+    snapshot,
+    snapshot_copy,
+    snapshot_read,
+    snapshot_slot,
+    snapshot_write,
+)
 from lib.capture.pgoutput import UNCHANGED_TOAST, Decoder, str_to_lsn
 from lib.local import sample_db, workload
 from lib.operate import teardown
@@ -382,8 +391,8 @@ def test_confluent_deserializer_reads_snapshot_messages(snap_conf, first_run):
         assert event["after"]["amount"].as_tuple().exponent == -2  # decimal(14,2) as Decimal
 
 
-def test_big_tables_are_read_in_partitions_that_all_import_the_snapshot(snap_conf, first_run, spark_session):
-    assert first_run["report"]["stats"]["bank.transactions"]["partitions"] > 1
+def test_the_jdbc_reader_splits_big_tables_by_key_and_every_partition_imports_the_snapshot(snap_conf, first_run,
+                                                                                         spark_session):
     tables = first_run["tables"]
     exporter = source.connect(snap_conf)
     exporter.autocommit = True
@@ -412,6 +421,32 @@ def test_big_tables_are_read_in_partitions_that_all_import_the_snapshot(snap_con
             assert probe == {p: exported for p in range(plan["partitions"])}
     finally:
         exporter.close()
+        admin.close()
+
+
+def test_block_ranges_read_every_row_once_inside_the_snapshot(snap_conf, first_run, spark_session):
+    table = first_run["tables"]["bank.transactions"]
+    admin = source.connect(snap_conf, admin=True)
+    try:
+        with exported_snapshot(snap_conf) as name:
+            conn = snapshot_slot.snapshot_connection(snap_conf, name)
+            try:
+                rows = snapshot_read.plan_partitions(conn, table, by_blocks=True)["rows"]
+                ranges = snapshot_copy.block_ranges(conn, table, 4, min_blocks=1)
+            finally:
+                conn.close()
+            assert len(ranges) == 4 and ranges[-1][2] is None
+            with admin.cursor() as cur:  # committed after the snapshot, into new blocks: must not be read
+                cur.execute("INSERT INTO bank.transactions SELECT gen_random_uuid(), account_id, card_id, kind, "
+                            "status, amount, currency, fx_rate, 'after the snapshot', merchant, tags, counterparty, "
+                            "booked_at, local_time, value_date FROM bank.transactions LIMIT 50")
+            admin.commit()
+            read, fields = snapshot_read.read_table(snap_conf, spark_session, table, name,
+                                                    {"rows": rows, "partitions": 4, "ranges": ranges})
+            assert read.rdd.getNumPartitions() == 4
+            keys = [r[0] for r in read.select(fields[0]["field"]).collect()]
+        assert len(keys) == len(set(keys)) == rows
+    finally:
         admin.close()
 
 
@@ -528,13 +563,26 @@ def exported_snapshot(conf: dict):
         exporter.close()
 
 
-def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_session):
+def _one_read(conf: dict, reader: str, table: catalog.Table) -> dict:
+    """A plan reading a small table in one partition with reader 'jdbc' (key ranges) or 'copy' (block ranges)."""
+    if reader == "jdbc":
+        return {"rows": 4, "partitions": 1}
+    conn = source.connect(conf, admin=True)  # sizes need no grant; the read itself runs as the pipeline role
+    try:
+        return {"rows": 4, "partitions": 1, "ranges": snapshot_copy.block_ranges(conn, table, 1)}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("reader", ["copy", "jdbc"])
+def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_session, reader):
     """to_avro's bytes decode to exactly what pgtypes makes of pgoutput's text, for every mapped type."""
     table = every_type["snaptypes.every"]
     prefix = "cdc-test-types"
     key_schema, value_schema = avro_schemas.key_schema(table, prefix), avro_schemas.value_schema(table, prefix)
     with exported_snapshot(snap_conf) as name:
-        rows, fields = snapshot_read.read_table(snap_conf, spark_session, table, name, {"rows": 4, "partitions": 1})
+        rows, fields = snapshot_read.read_table(snap_conf, spark_session, table, name,
+                                                _one_read(snap_conf, reader, table))
         encoded = snapshot_write.encode(rows, table, snap_conf, key_schema, value_schema, 7, 8, 12345, 1000, fields)
         messages = encoded.collect()
     conn = raw_text_connection(snap_conf)
@@ -565,10 +613,11 @@ def test_every_type_decodes_to_the_streams_value(snap_conf, every_type, spark_se
     assert identical == 3  # row 1 holds -1.28
 
 
-def test_multi_dimensional_array_fails_naming_the_column(snap_conf, every_type, spark_session):
+@pytest.mark.parametrize("reader", ["copy", "jdbc"])
+def test_multi_dimensional_array_fails_naming_the_column(snap_conf, every_type, spark_session, reader):
     with exported_snapshot(snap_conf) as name:
         rows, _ = snapshot_read.read_table(snap_conf, spark_session, every_type["snaptypes.multi"], name,
-                                           {"rows": 2, "partitions": 1})
+                                           {**_one_read(snap_conf, reader, every_type["snaptypes.multi"]), "rows": 2})
         with pytest.raises(Exception) as failure:
             rows.collect()
     error = snapshot._read_failed(every_type["snaptypes.multi"], failure.value)
@@ -705,3 +754,49 @@ def test_active_slot_of_an_unfinished_snapshot_is_not_dropped(snap_conf, spark_s
                 snapshot.run(conf, spark_session, log=lambda line: None)
         finally:
             stream.close()
+
+
+def test_the_copy_reader_reads_a_partitioned_tables_leaves_and_names_a_missing_grant(snap_conf, spark_session):
+    admin = source.connect(snap_conf, admin=True)
+    user = sql.Identifier(config.get(snap_conf, "source.user"))
+    with admin.cursor() as cur:
+        cur.execute("DROP SCHEMA IF EXISTS snapparts CASCADE; CREATE SCHEMA snapparts; "
+                    "CREATE TABLE snapparts.events (id int, region text, v text, PRIMARY KEY (id, region)) "
+                    "PARTITION BY LIST (region); "
+                    "CREATE TABLE snapparts.events_eu PARTITION OF snapparts.events FOR VALUES IN ('eu'); "
+                    "CREATE TABLE snapparts.events_us PARTITION OF snapparts.events FOR VALUES IN ('us') "
+                    "PARTITION BY RANGE (id); "
+                    "CREATE TABLE snapparts.events_us_low PARTITION OF snapparts.events_us "
+                    "FOR VALUES FROM (0) TO (500); "
+                    "CREATE TABLE snapparts.events_us_high PARTITION OF snapparts.events_us "
+                    "FOR VALUES FROM (500) TO (MAXVALUE); "
+                    "INSERT INTO snapparts.events SELECT i, CASE WHEN i % 3 = 0 THEN 'eu' ELSE 'us' END, 'v' || i "
+                    "FROM generate_series(1, 1000) i; "
+                    "CREATE TABLE snapparts.secret (id int PRIMARY KEY); INSERT INTO snapparts.secret VALUES (1)")
+        cur.execute(sql.SQL("GRANT USAGE ON SCHEMA snapparts TO {0}; GRANT SELECT ON snapparts.events TO {0}")
+                    .format(user))
+    admin.commit()
+    try:
+        tables = catalog.describe_tables(admin, ["snapparts.events", "snapparts.secret"])
+        with exported_snapshot(snap_conf) as name:
+            planner = snapshot_slot.snapshot_connection(snap_conf, name)
+            plan = snapshot_read.plan_partitions(planner, tables["snapparts.events"], by_blocks=True)
+            planner.close()
+            assert plan["partitioned"] and plan["rows"] == 1000
+            # the leaves were granted nothing: the parent's SELECT is enough, as for a query
+            rows, _ = snapshot_read.read_table(snap_conf, spark_session, tables["snapparts.events"], name,
+                                               {**plan, "ranges": snapshot_copy.block_ranges(admin, tables[
+                                                   "snapparts.events"], 3, min_blocks=1)})
+            assert sorted((r["id"], r["region"], r["v"]) for r in rows.collect()) == [
+                (i, "eu" if i % 3 == 0 else "us", f"v{i}") for i in range(1, 1001)]
+            secret, _ = snapshot_read.read_table(snap_conf, spark_session, tables["snapparts.secret"], name,
+                                                 _one_read(snap_conf, "copy", tables["snapparts.secret"]))
+            with pytest.raises(Exception) as failure:
+                secret.collect()
+        error = str(snapshot._read_failed(tables["snapparts.secret"], failure.value))
+        assert "permission denied for table secret" in error and "GRANT SELECT ON snapparts.secret" in error
+    finally:
+        with admin.cursor() as cur:
+            cur.execute("DROP SCHEMA snapparts CASCADE")
+        admin.commit()
+        admin.close()

@@ -11,6 +11,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 
+import psycopg2
+import psycopg2.errors
+
 from lib import config, control, kafka_client, schema_registry, source
 from lib import spark as spark_session
 from lib.capture import avro_schemas, catalog, snapshot_read, snapshot_slot, snapshot_write
@@ -169,8 +172,19 @@ def _plan_all(conf: dict, spark, snapshot_name: str, tables: dict[str, catalog.T
     try:
         rows = int(config.get(conf, "snapshot.partition_rows"))
         most = int(config.get(conf, "snapshot.max_partitions"))
-        return {name: snapshot_read.plan_partitions(planner, table, rows, most, spark_session.cores(spark) or 2)
-                for name, table in tables.items()}
+        reader = config.get(conf, "snapshot.reader")
+        if reader not in ("copy", "jdbc"):
+            raise SnapshotError(f"snapshot.reader is {reader!r}: use copy (COPY by block ranges in Spark tasks) or "
+                                f"jdbc (Spark's JDBC reader by key ranges)")
+        plans = {}
+        for name, table in tables.items():
+            try:
+                plans[name] = snapshot_read.plan_partitions(planner, table, rows, most,
+                                                            spark_session.cores(spark) or 2, reader == "copy")
+            except psycopg2.errors.InsufficientPrivilege as exc:
+                raise SnapshotError(f"snapshot of table {table.qualified}: {str(exc).strip().splitlines()[0]}; "
+                                    f"GRANT SELECT ON {table.qualified} TO {config.get(conf, 'source.user')}") from exc
+        return plans
     finally:
         planner.close()
 

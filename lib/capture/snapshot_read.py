@@ -7,7 +7,7 @@ import math
 from decimal import Decimal
 
 from lib import config, secrets, source
-from lib.capture import avro_schemas, catalog, pgtypes, snapshot_slot
+from lib.capture import avro_schemas, catalog, pgtypes, snapshot_copy, snapshot_slot
 from lib.capture.catalog import sql_ident, sql_literal
 from lib.capture.snapshot_slot import SnapshotError
 
@@ -201,8 +201,10 @@ def _integral(column: catalog.Column) -> bool:
 
 
 def plan_partitions(conn, table: catalog.Table, partition_rows: int = config.DEFAULTS["snapshot.partition_rows"],
-                    max_partitions: int = config.DEFAULTS["snapshot.max_partitions"], parallelism: int = 1) -> dict:
-    """Exact row count on conn's snapshot and how to split the read: rows, partitions, bounds or predicates.
+                    max_partitions: int = config.DEFAULTS["snapshot.max_partitions"], parallelism: int = 1,
+                    by_blocks: bool = False) -> dict:
+    """Exact row count on conn's snapshot and how to split the read: rows, partitions, and block ranges (by_blocks:
+    the COPY reader), key bounds or key predicates (the JDBC reader).
 
     A table gets ceil(rows / partition_rows) partitions rounded up to a multiple of
     ``parallelism`` (Spark's cores), at least ``parallelism`` once it has MIN_SPLIT_ROWS rows per
@@ -217,6 +219,9 @@ def plan_partitions(conn, table: catalog.Table, partition_rows: int = config.DEF
         if wanted > parallelism > 1:  # whole waves: no core idles while the last partition runs alone
             wanted = math.ceil(wanted / parallelism) * parallelism
         wanted = max(1, min(max_partitions, wanted))
+        if by_blocks:  # without TID range scans (PostgreSQL < 14) each range would read the whole table
+            ranges = snapshot_copy.block_ranges(conn, table, wanted if conn.server_version >= 140000 else 1)
+            return {"rows": rows, "partitions": len(ranges), "ranges": ranges, "partitioned": table.kind == "p"}
         if wanted == 1:
             return {"rows": rows, "partitions": 1}
         if _integral(key):
@@ -269,6 +274,8 @@ def read_table(conf: dict, spark, table: catalog.Table, snapshot_name: str, plan
                unknown_types: str = "error"):
     """A DataFrame of the table as of the snapshot: one column per Value field, typed for to_avro."""
     query, fields = select_sql(table, unknown_types)
+    if "ranges" in plan:
+        return snapshot_copy.read_table(conf, spark, snapshot_name, plan, fields), fields
     reader = spark.read.format("jdbc").options(**jdbc_options(conf, snapshot_name))
     reader = reader.option("dbtable", f"({query}) AS snapshot_rows")
     if "bounds" in plan:
