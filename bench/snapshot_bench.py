@@ -1,21 +1,22 @@
 """Benchmark: snapshot rows/s against COPY ... TO STDOUT of the same tables, in the same run (not a test).
 
-    .venv/bin/python bench/snapshot_bench.py [--rows 1000000] [--rounds 2] [--breakdown]
+    .venv/bin/python bench/snapshot_bench.py [--rows 1000000] [--rounds 2] [--breakdown] [--readers copy,jdbc]
 
 Runs in its own database (bench/bench_env.py): the sample bank's keyed tables (conf's
 source.tables), bank.transactions grown to ``--rows`` rows, then VACUUM ANALYZE. Each round:
 
 1. COPY: ``COPY (SELECT * FROM <table>) TO STDOUT`` of every table, one after the other on one
    psycopg2 connection, into a sink that only counts bytes (text format).
-2. snapshot: a new slot and topic prefix for the round, prepared by notebook 01's
-   ``lib.capture.bootstrap.run``, then ``lib.capture.snapshot.run(conf, spark)`` timed from the call to its
-   return (slot creation, planning, every table read by Spark over JDBC, encoded to Avro and
-   written to Kafka, offsets checked, control record written).
+2. snapshot, once per ``--readers`` value (``snapshot.reader``: copy, jdbc): a new slot and topic
+   prefix, prepared by notebook 01's ``lib.capture.bootstrap.run``, then ``lib.capture.snapshot.run(conf,
+   spark)`` timed from the call to its return (slot creation, planning, every table read by Spark's
+   tasks, encoded to Avro and written to Kafka, offsets checked, control record written).
 
 The Spark session (conf's, local[2]) is started before round 1, so JVM start-up is in neither
-number; round 1 still pays the first JDBC, Avro and Kafka use in the JVM (cold), later rounds
-run warm. ``--breakdown`` then reads bank.transactions three more ways on its own exported
-snapshot, each to Spark's no-op sink unless said: the JDBC read alone, read + Avro encoding,
+number; round 1's first reader still pays the first read, Avro and Kafka use in the JVM and the
+first Python workers (cold), the rest run warm. ``--breakdown`` then reads bank.transactions three
+more ways on its own exported snapshot with the COPY reader, each to Spark's no-op sink unless
+said: the read alone, read + Avro encoding,
 read + encoding + Kafka write, to show where the snapshot's time goes; and COPY of the
 snapshot's own SELECT (the per-column transforms PostgreSQL computes), on one connection.
 """
