@@ -98,7 +98,7 @@ DEFAULTS: dict[str, object] = {
     "kafka.ssl_ca_location": None,  # PEM file of the brokers' CA (None: the system's trust store)
     "registry.user": None,
     "registry.ssl_ca_location": None,  # PEM file of the registry's CA (None: the system's trust store)
-    "snapshot.reader": "copy",  # COPY by block ranges in Spark tasks (snapshot_copy.py), or "jdbc" (key ranges)
+    "snapshot.reader": "jdbc",  # key ranges through Spark's JDBC reader, or "copy": block ranges (snapshot_copy.py)
     "snapshot.fetch_size": 10_000,
     "snapshot.partition_rows": 250_000,  # rows per Spark partition when a table is split by key range
     "snapshot.max_partitions": 200,
