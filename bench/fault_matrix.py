@@ -378,7 +378,7 @@ def case_disk_full(ctx: dict, cycles: int, log) -> float:
 CASES = {"kafka_kill": (case_kafka_kill, 2, SERVICES), "postgres_restart": (case_postgres_restart, 2, ("capture",)),
          "registry_down": (case_registry_down, 1, ("capture",)), "kill_cycles": (case_kill_cycles, 10, ()),
          "long_transaction": (case_long_transaction, 1, ()), "key_update": (case_key_update, 1, ()),
-         "rekey_ddl": (case_rekey_ddl, 1, ()), "disk_full": (case_disk_full, 1, ())}
+         "rekey_ddl": (case_rekey_ddl, 2, ()), "disk_full": (case_disk_full, 1, ())}
 
 
 # checks
