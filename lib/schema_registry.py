@@ -102,6 +102,23 @@ def register(client: SchemaRegistryClient, subject: str, schema_dict: dict,
     return registered.schema_id, version, "registered"
 
 
+def first_version(client: SchemaRegistryClient, subject: str) -> tuple[int, dict] | None:
+    """(id, schema) of the first version under subject (what a topic's first key bytes carry), or None without one."""
+    url = _url(client)
+    try:
+        versions = client.get_versions(subject)
+        if not versions:
+            return None
+        first = client.get_version(subject, versions[0])
+    except SchemaRegistryError as exc:
+        if exc.http_status_code == 404:
+            return None
+        raise _registry_error(exc, subject, url) from exc
+    except Exception as exc:
+        raise _unreachable(exc, subject, url) from exc
+    return first.schema_id, json.loads(first.schema.schema_str)
+
+
 def _url(client) -> str | None:
     """The registry URL the client talks to (for messages; never includes credentials we add)."""
     try:

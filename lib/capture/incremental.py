@@ -212,10 +212,10 @@ def _require_key_room(conf: dict, table: catalog.Table, topic: str) -> None:
     wanted = avro_schemas.key_schema(table, config.get(conf, "kafka.topic_prefix"),
                                      config.get(conf, "source.unknown_types"))
     try:
-        versions = registry.get_versions(subject)
-    except Exception:  # noqa: BLE001 - no subject yet (404); any other problem shows when the schemas are registered
-        return
-    first = json.loads(registry.get_version(subject, versions[0]).schema.schema_str) if versions else None
+        found = schema_registry.first_version(registry, subject)
+    except schema_registry.RegistryError:
+        return  # any problem with the registry shows when the schemas are registered
+    first = found[1] if found else None
     if first is not None and [f["name"] for f in first["fields"]] != [f["name"] for f in wanted["fields"]]:
         raise IncrementalError(f"topic {topic} already carries keys ({', '.join(f['name'] for f in first['fields'])}) "
                                f"that are not {table.qualified}'s key ({', '.join(table.primary_key)}): name another "

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from confluent_kafka.schema_registry.error import SchemaRegistryError
-
 from lib import schema_registry
 from lib.capture import (
     catalog,
@@ -147,29 +145,11 @@ def _retired_topic(st: State, plan: events.Plan, lsn: int) -> str | None:
     record = st.control.records.get(incremental.rekey_key(st.slot, plan.qualified)) if st.control else None
     if not record or record.get("topic") != plan.topic or lsn >= str_to_lsn(record["before_lsn"]):
         return None
-    new = _first_key(st, schema_registry.subjects(plan.topic)[0])
+    new = schema_registry.first_version(st.registry, schema_registry.subjects(plan.topic)[0])
     if new is None or _key_signature(new[1]) == _key_signature(plan.key_schema):
         return None
-    old = _first_key(st, schema_registry.subjects(record["retired_topic"])[0])
+    old = schema_registry.first_version(st.registry, schema_registry.subjects(record["retired_topic"])[0])
     return record["retired_topic"] if old and _key_signature(old[1]) == _key_signature(plan.key_schema) else None
-
-
-def _first_key(st: State, subject: str) -> tuple[int, dict] | None:
-    """(id, schema) of the first key schema registered under subject (the one its topic's key bytes carry), or None."""
-    try:
-        versions = st.registry.get_versions(subject)
-        if not versions:
-            return None
-        first = st.registry.get_version(subject, versions[0])
-    except SchemaRegistryError as exc:
-        if exc.http_status_code == 404:
-            return None
-        raise schema_registry.RegistryError(f"subject {subject}: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - connection errors of the registry client
-        raise schema_registry.RegistryError(f"cannot reach the schema registry for subject {subject}: "
-                                            f"{type(exc).__name__}: {exc}; "
-                                            f"{schema_registry.unreachable_remedy(exc)}") from exc
-    return first.schema_id, json.loads(first.schema.schema_str)
 
 
 def _key_ids(st: State, plan: events.Plan, subject: str, stopped: str) -> tuple[int, int | None, tuple]:
@@ -181,7 +161,7 @@ def _key_ids(st: State, plan: events.Plan, subject: str, stopped: str) -> tuple[
     Anything else (other key columns, another type) is refused: it needs a new topic.
     Returns (first key id, id for widened values or None, positions of widened fields).
     """
-    first = _first_key(st, subject)
+    first = schema_registry.first_version(st.registry, subject)
     if first is None:
         key_id, _, _ = schema_registry.register(st.registry, subject, plan.key_schema)
         return key_id, None, ()
@@ -251,7 +231,8 @@ def _key_as_sent(st: State, table: catalog.Table, relation) -> catalog.Table:
             or table.key_source == "source.keys":
         return table
     record = st.control.records.get(incremental.rekey_key(st.slot, table.qualified)) if st.control else None
-    first = _first_key(st, schema_registry.subjects(record["retired_topic"])[0]) if record else None
+    retired = schema_registry.subjects(record["retired_topic"])[0] if record else None
+    first = schema_registry.first_version(st.registry, retired) if retired else None
     order = [f.get("pg.column", f["name"]) for f in first[1]["fields"]] if first else []
     key = order if set(order) == set(sent) else sent  # the old key's own order when its topic knows it
     return dataclasses.replace(table, primary_key=tuple(key))

@@ -42,7 +42,7 @@ def copy_field(field: dict) -> dict:
 
     spark_type = field["spark_type"]
     if spark_type.startswith("array<"):
-        read_type = "array<string>" if spark_type in ("array<binary>",) or field["wire"] else spark_type
+        read_type = "array<string>" if spark_type == "array<binary>" or field["wire"] else spark_type
         if read_type.startswith("array<decimal"):
             read_type = "array<string>"  # the transport already carries decimal elements as exact text
         return {"sql": f"to_json({field['sql']})", "arrow": "string", "read_type": "string",
