@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -213,19 +214,51 @@ def outdated(conf: dict, where: dict[str, Path], stack_dir: Path) -> bool:
     return "SASL_SSL://" in started_with and started_with != properties(conf, where, stack_dir)
 
 
-def ensure_user(conf: dict, stack_dir: Path) -> None:
-    """Create or update the SCRAM-SHA-512 credential of stack.kafka.user (over PLAINTEXT) to the current password."""
+def ensure_user(conf: dict, stack_dir: Path, wait_s: float = 30.0) -> None:
+    """Give stack.kafka.user the current password as its SCRAM-SHA-512 credential, then wait until a login works.
+
+    A credential that already logs in is left alone (an upsert would re-salt it). After an upsert the
+    broker applies the credential from its metadata log a moment later, so a client connecting right
+    away can be refused; this returns only once the new password logs in.
+    """
     from confluent_kafka.admin import AdminClient, ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
 
     name = user(conf)
-    password = secrets.setting(conf, "stack.kafka.password").encode()
+    password = secrets.setting(conf, "stack.kafka.password")
+    listening = process.port_in_use(*secure_ports(conf)[0][:2])  # not on a broker started before TLS (missing_tls)
+    if listening and scram_login_works(conf, stack_dir, name, password):
+        return
     info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, SCRAM_ITERATIONS)
     admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"), "log_level": 0})
     try:
-        admin.alter_user_scram_credentials([UserScramCredentialUpsertion(name, info, password)])[name].result(30)
+        upsert = UserScramCredentialUpsertion(name, info, password.encode())
+        admin.alter_user_scram_credentials([upsert])[name].result(30)
     except Exception as exc:  # KafkaException, or a timeout of the future
         raise StackError(f"kafka: setting the SCRAM-SHA-512 credential of stack.kafka.user {name} failed ({exc}); "
                          f"see {files(stack_dir)['log']}, then run `make up` again") from exc
+    deadline = time.monotonic() + wait_s
+    while listening and not scram_login_works(conf, stack_dir, name, password):
+        if time.monotonic() > deadline:
+            raise StackError(f"kafka: the SCRAM-SHA-512 credential of stack.kafka.user {name} was set but the "
+                             f"SASL_SSL listener still refuses it after {wait_s:.0f} s; see {files(stack_dir)['log']}, "
+                             f"then run `make up` again")
+        time.sleep(0.5)
+
+
+def scram_login_works(conf: dict, stack_dir: Path, name: str, password: str) -> bool:
+    """True when the SASL_SSL listener takes name and password with SCRAM-SHA-512 (a metadata request)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    host, port, _ = secure_ports(conf)[0]
+    admin = AdminClient({"bootstrap.servers": f"{host}:{port}", "security.protocol": "SASL_SSL",
+                         "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": name, "sasl.password": password,
+                         "ssl.ca.location": str(tls.paths(stack_dir)["ca"]), "log_level": 0})
+    try:
+        admin.list_topics(timeout=5)
+        return True
+    except KafkaException:
+        return False
 
 
 def stop(stack_dir: Path, log=print) -> None:
