@@ -237,6 +237,37 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, load average {one:.1f} (1 min) / {five:.1f} (5 min)"
 
 
+def cpu_seconds(conf: dict) -> dict[str, float]:
+    """CPU seconds used so far (user + system, with waited-for children) per part of the local stack: postgres
+    (the postmaster and its backends), kafka, registry, and spark (this process, its JVM and Python workers)."""
+    from lib.local import stack
+
+    folder = stack.stack_dir(conf)
+    roots = {"spark": os.getpid()}
+    for name, pid_file in (("postgres", folder / "postgres" / "data" / "postmaster.pid"),
+                           ("kafka", folder / "run" / "kafka.pid"), ("registry", folder / "run" / "registry.pid")):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            roots[name] = int(pid_file.read_text().split()[0])
+    parents, used = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(fields[1])
+            used[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
+    owners = {pid: name for name, pid in roots.items()}
+    totals = dict.fromkeys(roots, 0.0)
+    for pid, seconds in used.items():
+        walk = pid
+        while walk not in owners and walk in parents and walk > 1:
+            walk = parents[walk]
+        if walk in owners:
+            totals[owners[walk]] += seconds
+    return totals
+
+
 def cleanup(conf: dict, log=print) -> None:
     """Drop the database's slots, the database, the prefix's topics and registry subjects."""
     database, prefix = config.get(conf, "source.database"), conf["bench_prefix"]

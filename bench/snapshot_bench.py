@@ -19,6 +19,11 @@ more ways on its own exported snapshot with the COPY reader, each to Spark's no-
 said: the read alone, read + Avro encoding,
 read + encoding + Kafka write, to show where the snapshot's time goes; and COPY of the
 snapshot's own SELECT (the per-column transforms PostgreSQL computes), on one connection.
+
+Every COPY and snapshot run also reports the CPU seconds that PostgreSQL, Spark (this process, its
+JVM and Python workers), Kafka and the registry used during it (bench_env.cpu_seconds), and how many
+cores that kept busy: on a machine whose cores are all busy, the ratio of CPU work bounds the ratio
+of speeds.
 """
 
 from __future__ import annotations
@@ -191,6 +196,27 @@ def breakdown(conf: dict, spark, log) -> dict:
     return out
 
 
+def used_since(conf: dict, before: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per part of the stack since ``before`` (bench_env.cpu_seconds)."""
+    return {part: seconds - before.get(part, 0.0) for part, seconds in bench_env.cpu_seconds(conf).items()}
+
+
+def cpu_table(rounds: list[dict]) -> list[str]:
+    """Where the CPU went in each run: seconds per part of the stack, and how many of the cores were busy."""
+    parts = ("postgres", "spark", "kafka", "registry")
+    lines = ["", "CPU seconds per run (user + system; spark is this process with its JVM and Python workers):", "",
+             "| round | run | wall s | " + " | ".join(parts) + " | total CPU s | cores busy |",
+             "|---|---|---|" + "---|" * len(parts) + "---|---|"]
+    for i, r in enumerate(rounds, 1):
+        runs = [("COPY TO STDOUT", r["copy_s"], r["copy_cpu"])]
+        runs += [(f"snapshot ({reader})", r["snapshots"][reader], r["cpu"][reader]) for reader in r["snapshots"]]
+        for label, wall, cpu in runs:
+            total = sum(cpu.get(p, 0.0) for p in parts)
+            lines.append(f"| {i} | {label} | {wall:.1f} | " + " | ".join(f"{cpu.get(p, 0.0):.1f}" for p in parts)
+                         + f" | {total:.1f} | {total / wall:.1f} |")
+    return lines
+
+
 def report(rounds: list[dict], parts: dict | None, copy_big: float | None, load_before: str, load_after: str) -> str:
     """The results as markdown tables."""
     lines = ["| round | COPY TO STDOUT | snapshot.reader | snapshot (lib.capture.snapshot.run) | ratio | target |",
@@ -204,6 +230,7 @@ def report(rounds: list[dict], parts: dict | None, copy_big: float | None, load_
             lines.append(f"| {i} ({state}) | {copy_rate:,.0f} rows/s ({r['copy_s']:.1f} s, {r['copy_mb']:.0f} MB) | "
                          f"{reader} | {snap_rate:,.0f} rows/s ({seconds:.1f} s) | {ratio:.2f}× | ≥ {target}× "
                          f"({'met' if ratio >= target else 'missed'}) |")
+    lines += cpu_table(rounds)
     if parts:
         n = parts["rows"]
         read, encode, kafka = parts["read"], parts["read+encode"], parts["read+encode+kafka"]
@@ -244,17 +271,20 @@ def main(argv=None) -> None:
         spark.sparkContext.setLogLevel("ERROR")
         rounds = []
         for i in range(1, args.rounds + 1):
+            cpu = bench_env.cpu_seconds(conf)
             copied = copy_out(conf, tables)
+            copied["cpu"] = used_since(conf, cpu)
             log(f"round {i}: COPY {total:,} rows in {copied['seconds']:.1f} s "
                 f"({total / copied['seconds']:,.0f} rows/s)")
-            snapshots = {}
+            snapshots, cpus = {}, {}
             for reader in args.readers.split(","):
+                cpu = bench_env.cpu_seconds(conf)
                 snap = snapshot_round(conf, spark, f"r{i}{reader}", reader, log)
-                snapshots[reader] = snap["seconds"]
+                snapshots[reader], cpus[reader] = snap["seconds"], used_since(conf, cpu)
                 log(f"round {i}: snapshot ({reader}) {snap['rows']:,} rows in {snap['seconds']:.1f} s "
                     f"({snap['rows'] / snap['seconds']:,.0f} rows/s)")
             rounds.append({"rows": total, "copy_s": copied["seconds"], "copy_mb": copied["bytes"] / 2**20,
-                           "snapshots": snapshots})
+                           "snapshots": snapshots, "copy_cpu": copied["cpu"], "cpu": cpus})
         parts = copy_big = None
         if args.breakdown:
             copy_big = copy_out(conf, [BIG_TABLE])["seconds"]

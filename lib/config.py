@@ -102,7 +102,6 @@ DEFAULTS: dict[str, object] = {
     "snapshot.fetch_size": 10_000,
     "snapshot.partition_rows": 250_000,  # rows per Spark partition when a table is split by key range
     "snapshot.max_partitions": 200,
-    "snapshot.parallel_tables": 4,
     "snapshot.progress_s": 10.0,
     "snapshot.jdbc_options": {},
     "snapshot.kafka_options": {},

@@ -800,3 +800,38 @@ def test_the_copy_reader_reads_a_partitioned_tables_leaves_and_names_a_missing_g
             cur.execute("DROP SCHEMA snapparts CASCADE")
         admin.commit()
         admin.close()
+
+
+def test_a_failing_table_in_the_one_job_is_named_with_its_own_columns(snap_conf, spark_session):
+    """All tables are one Spark job; a value that fails the read names its table (found by the failed task's
+    partition), and the remedy lists that table's columns, not another's."""
+    conf = variant(snap_conf, "_nan", "[bank.branches, snapnan.fine, snapnan.broken]")
+    slot = config.get(conf, "source.slot")
+    admin = source.connect(conf, admin=True)
+    with admin.cursor() as cur:
+        cur.execute("DROP SCHEMA IF EXISTS snapnan CASCADE; CREATE SCHEMA snapnan; "
+                    "CREATE TABLE snapnan.fine (id int PRIMARY KEY, amount numeric(6,2)); "
+                    "CREATE TABLE snapnan.broken (id int PRIMARY KEY, price numeric(6,2)); "
+                    "INSERT INTO snapnan.fine SELECT i, i FROM generate_series(1, 3) i; "
+                    "INSERT INTO snapnan.broken SELECT i, CASE WHEN i = 40 THEN 'NaN'::numeric ELSE i END "
+                    "FROM generate_series(1, 50) i")
+        cur.execute(sql.SQL("GRANT USAGE ON SCHEMA snapnan TO {0}; GRANT SELECT ON ALL TABLES IN SCHEMA snapnan "
+                            "TO {0}; ALTER PUBLICATION {1} ADD TABLE snapnan.fine, snapnan.broken").format(
+            sql.Identifier(config.get(conf, "source.user")), sql.Identifier(config.get(conf, "source.publication"))))
+    admin.commit()
+    try:
+        prepare_topics(conf)
+        with pytest.raises(snapshot_slot.SnapshotError) as failure:
+            snapshot.run(conf, spark_session, log=lambda line: None)
+        message = str(failure.value)
+        assert message.startswith("snapshot of table snapnan.broken failed: Bad value for type BigDecimal : NaN; ")
+        assert "a numeric(p,s) column (price) holds NaN" in message
+        assert "amount" not in message and "snapnan.fine" not in message
+        pipeline = source.connect(conf)
+        assert snapshot_slot.slot_info(pipeline, slot) is None  # the failed snapshot dropped its slot again
+        pipeline.close()
+    finally:
+        with admin.cursor() as cur:
+            cur.execute("DROP SCHEMA snapnan CASCADE")
+        admin.commit()
+        admin.close()

@@ -1,10 +1,11 @@
-"""How the COPY reader splits tables into block ranges and carries each column type (no stack needed)."""
+"""How the snapshot splits its work (the COPY reader's block ranges and column types, the one job's failed task)
+without the stack."""
 
 from __future__ import annotations
 
 import pytest
 
-from lib.capture import snapshot_copy
+from lib.capture import catalog, snapshot, snapshot_copy
 
 
 def test_a_big_relation_is_split_into_contiguous_ranges_the_last_open_ended():
@@ -40,3 +41,18 @@ def test_each_transport_type_has_a_csv_form(spark_type, wire, arrow, read_type):
     assert (carried["arrow"], carried["read_type"]) == (arrow, read_type)
     assert carried["sql"] == {"binary": "encode(x, 'hex')" if wire is None else "x",
                               "array<int>": "to_json(x)"}.get(spark_type, "x")
+
+
+def test_the_failed_task_of_the_union_names_its_table():
+    """The snapshot's one job is the union of the tables' partitions, in order: task n belongs to the table whose
+    partitions cover n."""
+    small, large, other = (catalog.Table("s", name, oid, (), ("id",), "d")
+                           for oid, name in enumerate(("small", "large", "other")))
+    parts = [(small, 1), (large, 3), (other, 2)]
+    failure = RuntimeError("Job aborted due to stage failure: Task 3 in stage 7.0 failed 1 times, most recent "
+                           "failure: Lost task 3.0 in stage 7.0 (TID 41) (host executor driver): boom")
+    assert snapshot._failed_table(failure, parts) is large
+    assert snapshot._failed_table(RuntimeError("Lost task 4.1 in stage 2.0 (TID 9)"), parts) is other
+    assert snapshot._failed_table(RuntimeError("Lost task 0.0 in stage 2.0"), parts) is small
+    assert snapshot._failed_table(RuntimeError("Lost task 6.0 in stage 2.0"), parts) is None  # beyond the union
+    assert snapshot._failed_table(RuntimeError("connection refused"), parts) is None

@@ -6,9 +6,11 @@ How it works and what it guarantees: docs/snapshot.md.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 
 import psycopg2
@@ -103,8 +105,7 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
     Safe to run again: once complete it does nothing (see create_slot_with_snapshot for the
     restart and ``resnapshot`` paths). On failure the new slot is dropped again (it would retain
     WAL while nobody streams from it) and the control record stays 'running' with the error;
-    running again takes a new snapshot. Up to ``snapshot.parallel_tables`` tables (default 4)
-    are written at once, largest first, so small tables fill the cores a big one leaves idle.
+    running again takes a new snapshot. All tables are written by one Spark job (_write_all).
     """
     slot = config.get(conf, "source.slot")
     prefix = config.get(conf, "kafka.topic_prefix")
@@ -120,14 +121,7 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
         conn.close()
     topics = {name: avro_schemas.topic_for(conf, table) for name, table in tables.items()}
     _require_topics(conf, list(topics.values()) + [control.topic(conf)])
-    registry = schema_registry.client(conf)
-    schemas = {}
-    for name, table in tables.items():
-        key_subject, value_subject = schema_registry.subjects(topics[name])
-        key = avro_schemas.key_schema(table, prefix, unknown_types)
-        value = avro_schemas.value_schema(table, prefix, unknown_types)
-        schemas[name] = (key, value, schema_registry.register(registry, key_subject, key)[0],
-                         schema_registry.register(registry, value_subject, value)[0])
+    schemas = _register_all(conf, tables, topics)
 
     repl, consistent_lsn, snapshot_name = snapshot_slot.create_slot_with_snapshot(conf, log, resnapshot)
     if repl is None:
@@ -166,6 +160,22 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
     return {"status": "complete", "already_complete": False, **record, "stats": stats}
 
 
+def _register_all(conf: dict, tables: dict[str, catalog.Table], topics: dict[str, str]) -> dict[str, tuple]:
+    """Per table (key schema, value schema, key id, value id), registered (or found) several tables at once."""
+    registry = schema_registry.client(conf)
+    prefix, unknown_types = config.get(conf, "kafka.topic_prefix"), config.get(conf, "source.unknown_types")
+
+    def register(name):
+        key_subject, value_subject = schema_registry.subjects(topics[name])
+        key = avro_schemas.key_schema(tables[name], prefix, unknown_types)
+        value = avro_schemas.value_schema(tables[name], prefix, unknown_types)
+        return (key, value, schema_registry.register(registry, key_subject, key)[0],
+                schema_registry.register(registry, value_subject, value)[0])
+
+    with ThreadPoolExecutor(max_workers=min(8, len(tables)), thread_name_prefix="cdc-snapshot-schemas") as pool:
+        return dict(zip(tables, pool.map(register, tables), strict=True))
+
+
 def _plan_all(conf: dict, spark, snapshot_name: str, tables: dict[str, catalog.Table]) -> dict[str, dict]:
     """Every table's exact row count and partitioning, on a connection that imported the snapshot."""
     planner = snapshot_slot.snapshot_connection(conf, snapshot_name)
@@ -190,112 +200,138 @@ def _plan_all(conf: dict, spark, snapshot_name: str, tables: dict[str, catalog.T
 
 
 def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:
-    """Run _snapshot_table for every table, several at once; the first failure interrupts the others."""
+    """Every table read, encoded and written to its topic by one Spark job; then each topic's growth checked.
+
+    The tables are one union, smallest first: Spark starts a job's tasks in partition order, so
+    small tables finish in the first seconds instead of queueing behind a large one, and the job
+    pays Spark's per-job cost once instead of once per table. Each row carries its topic.
+    """
     conf, spark, log = job["conf"], job["spark"], job["log"]
+    order = sorted(tables, key=lambda n: plans[n]["rows"])
+    earlier = snapshot_write.end_offsets_of(conf, [topics[n] for n in order])
+    frames = _frames(job, tables, topics, schemas, plans, order)
     reporter = _Progress(conf, float(config.get(conf, "snapshot.progress_s")), log)
+    for name in order:
+        log(f"snapshot {name}: {plans[name]['rows']:,} rows in {plans[name]['partitions']} partition(s) "
+            f"-> {topics[name]}")
+        reporter.track(name, topics[name], sum(earlier[topics[name]].values()), plans[name]["rows"])
     reporter.start()
-    order = sorted(tables, key=lambda n: -plans[n]["rows"])
-    workers = max(1, int(config.get(conf, "snapshot.parallel_tables")))
-    stats, failure = {}, None
+    started = time.monotonic()
+    spark.addTag(job["tag"])
     try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cdc-snapshot") as pool:
-            futures = {pool.submit(_snapshot_table, job, tables[n], topics[n], schemas[n], plans[n], reporter): n
-                       for n in order}
-            for future in as_completed(futures):
-                try:
-                    stats[futures[future]] = future.result()
-                except BaseException as exc:
-                    if failure is None:
-                        failure = exc
-                        for other in futures:
-                            other.cancel()
-                        with contextlib.suppress(Exception):
-                            spark.interruptTag(job["tag"])
+        snapshot_write.write(functools.reduce(lambda a, b: a.union(b), [frames[n][0] for n in order]), conf)
+    except Exception as exc:
+        failed = _failed_table(exc, [(tables[n], plans[n]["partitions"]) for n in order])
+        raise _read_failed(failed or [tables[n] for n in order], exc) from exc
     finally:
+        spark.removeTag(job["tag"])
         reporter.stop.set()
         reporter.join()
-    if failure is not None:
-        raise failure
+    elapsed = time.monotonic() - started
+    after = snapshot_write.end_offsets_of(conf, [topics[n] for n in order])
+    stats = {}
+    for name in order:
+        stats[name] = _check_written(job, tables[name], topics[name], schemas[name], plans[name], frames[name][1],
+                                     earlier[topics[name]], after[topics[name]], elapsed)
     return stats
 
 
-def _snapshot_table(job: dict, table: catalog.Table, topic: str, schemas: tuple, plan: dict,
-                    reporter: _Progress) -> dict:
-    """Read, encode and write one table; checks that the topic grew by at least the rows read."""
-    conf, spark, log = job["conf"], job["spark"], job["log"]
-    key_schema, value_schema, key_id, value_id = schemas
-    consumer = snapshot_write.topic_consumer(conf)
-    try:
-        earlier = snapshot_write.partition_end_offsets(consumer, topic)
-        before = sum(earlier.values())
-        started = time.monotonic()
-        log(f"snapshot {table.qualified}: {plan['rows']:,} rows in {plan['partitions']} partition(s) -> {topic}")
-        reporter.track(table.qualified, topic, before, plan["rows"])
-        spark.addTag(job["tag"])
+def _frames(job: dict, tables, topics, schemas, plans, order: list[str]) -> dict[str, tuple]:
+    """Per table: (DataFrame of topic, key, value, the Value fields); built side by side (each asks the source
+    for its columns)."""
+    from pyspark.sql import functions as F
+
+    def frame(name):
+        table = tables[name]
+        key_schema, value_schema, key_id, value_id = schemas[name]
         try:
-            rows, fields = snapshot_read.read_table(conf, spark, table, job["snapshot_name"], plan,
-                                                    job["unknown_types"])
-            encoded = snapshot_write.encode(rows, table, conf, key_schema, value_schema, key_id, value_id,
+            rows, fields = snapshot_read.read_table(job["conf"], job["spark"], table, job["snapshot_name"],
+                                                    plans[name], job["unknown_types"])
+            encoded = snapshot_write.encode(rows, table, job["conf"], key_schema, value_schema, key_id, value_id,
                                             job["consistent_lsn"], job["snapshot_ts_ms"], fields)
-            snapshot_write.write(encoded, conf, topic)
-        except Exception as exc:
-            raise _read_failed(table, exc) from exc
-        finally:
-            spark.removeTag(job["tag"])
-            reporter.untrack(table.qualified)
-        elapsed = time.monotonic() - started
-        after = snapshot_write.partition_end_offsets(consumer, topic)
-        written = sum(after.values()) - before
-        if written < plan["rows"]:
-            raise SnapshotError(f"snapshot of {table.qualified}: {plan['rows']} rows read but only {written} messages "
-                                f"reached topic {topic}; run the snapshot again")
-        if written > plan["rows"]:
-            log(f"snapshot {table.qualified}: {written - plan['rows']} duplicate message(s) from retried Spark "
-                f"tasks (harmless: same key, same position)")
-        rate = plan["rows"] / elapsed if elapsed > 0 else 0.0
-        log(f"snapshot {table.qualified}: {plan['rows']:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s)")
-        spark.addTag(job["tag"])
-        try:
-            retracted = snapshot_write.retract_stale_keys(conf, spark, table, topic, schemas, fields, earlier, after,
-                                                          job["consistent_lsn"], job["snapshot_ts_ms"])
         except SnapshotError:
             raise
         except Exception as exc:
             raise _read_failed(table, exc) from exc
-        finally:
-            spark.removeTag(job["tag"])
-        if retracted:
-            log(f"snapshot {table.qualified}: {retracted:,} key(s) from earlier messages in {topic} no longer "
-                f"exist: delete events and tombstones written")
+        return encoded.select(F.lit(topics[name]).alias("topic"), "key", "value"), fields
+
+    with ThreadPoolExecutor(max_workers=min(8, len(order)), thread_name_prefix="cdc-snapshot-plan") as pool:
+        return dict(zip(order, pool.map(frame, order), strict=True))
+
+
+def _check_written(job: dict, table: catalog.Table, topic: str, schemas: tuple, plan: dict, fields: list[dict],
+                   earlier: dict[int, int], after: dict[int, int], elapsed: float) -> dict:
+    """The topic grew by at least the rows read; keys of earlier messages that are gone are retracted."""
+    conf, log = job["conf"], job["log"]
+    written = sum(after.values()) - sum(earlier.values())
+    if written < plan["rows"]:
+        raise SnapshotError(f"snapshot of {table.qualified}: {plan['rows']} rows read but only {written} messages "
+                            f"reached topic {topic}; run the snapshot again")
+    if written > plan["rows"]:
+        log(f"snapshot {table.qualified}: {written - plan['rows']} duplicate message(s) from retried Spark "
+            f"tasks (harmless: same key, same position)")
+    rate = plan["rows"] / elapsed if elapsed > 0 else 0.0
+    log(f"snapshot {table.qualified}: {plan['rows']:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s, the job's time)")
+    job["spark"].addTag(job["tag"])
+    try:
+        retracted = snapshot_write.retract_stale_keys(conf, job["spark"], table, topic, schemas, fields, earlier,
+                                                      after, job["consistent_lsn"], job["snapshot_ts_ms"])
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise _read_failed(table, exc) from exc
     finally:
-        consumer.close()
+        job["spark"].removeTag(job["tag"])
+    if retracted:
+        log(f"snapshot {table.qualified}: {retracted:,} key(s) from earlier messages in {topic} no longer "
+            f"exist: delete events and tombstones written")
     return {"rows": plan["rows"], "messages": written, "partitions": plan["partitions"], "retracted": retracted,
             "elapsed_s": round(elapsed, 3), "rows_per_s": round(rate, 1), "topic": topic}
 
 
-def _read_failed(table: catalog.Table, exc: Exception) -> SnapshotError:
-    """A Spark/JDBC failure as a message naming the table, the database's reason and a remedy."""
+def _failed_table(exc: Exception, parts: list[tuple[catalog.Table, int]]) -> catalog.Table | None:
+    """The table whose partition failed the job: Spark names the failed task, whose index is the partition of
+    the union, in which the tables' partitions follow each other in order."""
+    found = re.search(r"Lost task (\d+)\.\d+ in stage", str(exc))
+    if found is None:
+        return None
+    index = int(found.group(1))
+    for table, count in parts:
+        if index < count:
+            return table
+        index -= count
+    return None
+
+
+def _read_failed(table: catalog.Table | list[catalog.Table], exc: Exception) -> SnapshotError:
+    """A Spark/JDBC failure as a message naming the table (or the job's tables, when Spark did not say which
+    task failed), the database's reason and a remedy."""
+    tables = table if isinstance(table, list) else [table]
     text = str(exc)
     reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     for line in text.splitlines():  # the PostgreSQL or driver message is more useful than Spark's wrapper
         if "PSQLException:" in line or "cdc snapshot:" in line or "ValueError: column" in line:
-            reason = line.split("Exception:", 1)[-1].strip() if "cdc snapshot:" not in line else line.strip()
+            reason = line.rsplit("Exception:", 1)[-1].strip() if "cdc snapshot:" not in line else line.strip()
             break
+
+    def columns(test) -> str:
+        return ", ".join(c.name if len(tables) == 1 else c.qualified for t in tables for c in t.columns if test(c))
+
     hints = []
     if "snapshot" in reason and ("invalid" in reason or "does not exist" in reason):
         hints.append("the replication connection that exported the snapshot closed; run the snapshot again")
     if "NaN" in reason:
-        cols = [c.name for c in table.columns if c.precision is not None]
-        hints.append(f"a numeric(p,s) column ({', '.join(cols)}) holds NaN, which has no Avro decimal value: "
-                     f"replace it in the source or make the column unconstrained numeric")
+        hints.append(f"a numeric(p,s) column ({columns(lambda c: c.precision is not None)}) holds NaN, which has "
+                     f"no Avro decimal value: replace it in the source or make the column unconstrained numeric")
     if "infinite" in reason:
-        cols = [c.name for c in table.columns if c.type.resolved().name == "date"]
-        hints.append(f"a date column ({', '.join(cols)}) holds ±infinity, which has no Avro date value: "
-                     f"replace it in the source")
+        hints.append(f"a date column ({columns(lambda c: c.type.resolved().name == 'date')}) holds ±infinity, "
+                     f"which has no Avro date value: replace it in the source")
     if "permission denied" in reason:
-        hints.append(f"GRANT SELECT ON {table.qualified} TO the pipeline role (source.user)")
+        hints.append(f"GRANT SELECT ON {', '.join(t.qualified for t in tables)} TO the pipeline role (source.user)")
     remedy = "; ".join(hints) or "see the Spark driver log for the full error, fix the cause and run again"
-    return SnapshotError(f"snapshot of table {table.qualified} failed: {reason}; {remedy}")
+    subject = f"table {tables[0].qualified}" if len(tables) == 1 else \
+        f"tables {', '.join(t.qualified for t in tables)}"
+    return SnapshotError(f"snapshot of {subject} failed: {reason}; {remedy}")
 
 
 def _abort(conf: dict, repl, slot: str, record: dict, exc: BaseException, log) -> None:

@@ -10,6 +10,7 @@ import time
 
 import fastavro
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import OffsetSpec
 
 from lib import config, kafka_client, schema_registry
 from lib.capture import avro_schemas, catalog
@@ -94,8 +95,10 @@ def _connector_version() -> str:
         return "0.1.0"
 
 
-def write(encoded, conf: dict, topic: str) -> None:
-    """Spark's Kafka sink: idempotent producer, acks=all; returns when every task flushed its sends."""
+def write(encoded, conf: dict, topic: str | None = None) -> None:
+    """Spark's Kafka sink: idempotent producer, acks=all; returns when every task flushed its sends.
+
+    Without ``topic`` each row names its own in a ``topic`` column."""
     options = {
         **kafka_client.spark_options(conf),
         "kafka.enable.idempotence": "true",
@@ -103,7 +106,7 @@ def write(encoded, conf: dict, topic: str) -> None:
         "kafka.linger.ms": "20",
         "kafka.batch.size": str(512 * 1024),
         "kafka.compression.type": "lz4",
-        "topic": topic,
+        **({"topic": topic} if topic else {}),
     }
     options.update(_kafka_options(conf))
     kafka_client.hide_login(encoded.sparkSession)
@@ -172,6 +175,20 @@ def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, sche
         return (end_offsets(consumer, topic) - start) // 2
     finally:
         consumer.close()
+
+
+def end_offsets_of(conf: dict, topics: list[str], timeout: float = 30.0) -> dict[str, dict[int, int]]:
+    """Every topic's end offset per partition, asked in one request."""
+    admin = kafka_client.admin(conf)
+    metadata = admin.list_topics(timeout=timeout).topics
+    missing = [t for t in topics if t not in metadata or metadata[t].error is not None]
+    if missing:
+        raise SnapshotError(f"topic(s) {', '.join(missing)} are not readable; run notebook 01 to create them")
+    wanted = {TopicPartition(t, p): OffsetSpec.latest() for t in topics for p in metadata[t].partitions}
+    ends: dict[str, dict[int, int]] = {t: {} for t in topics}
+    for partition, future in admin.list_offsets(wanted, request_timeout=timeout).items():
+        ends[partition.topic][partition.partition] = future.result().offset
+    return {t: dict(sorted(p.items())) for t, p in ends.items()}
 
 
 def end_offsets(consumer: Consumer, topic: str, timeout: float = 30.0) -> int:
