@@ -1,13 +1,13 @@
 """Benchmark: snapshot rows/s against COPY ... TO STDOUT of the same tables, in the same run (not a test).
 
-    .venv/bin/python bench/snapshot_bench.py [--rows 1000000] [--rounds 2] [--breakdown] [--readers copy,jdbc]
+    .venv/bin/python bench/snapshot_bench.py [--rows 1000000] [--rounds 2] [--breakdown] [--readers jdbc,copy]
 
 Runs in its own database (bench/bench_env.py): the sample bank's keyed tables (conf's
 source.tables), bank.transactions grown to ``--rows`` rows, then VACUUM ANALYZE. Each round:
 
 1. COPY: ``COPY (SELECT * FROM <table>) TO STDOUT`` of every table, one after the other on one
    psycopg2 connection, into a sink that only counts bytes (text format).
-2. snapshot, once per ``--readers`` value (``snapshot.reader``: copy, jdbc): a new slot and topic
+2. snapshot, once per ``--readers`` value (``snapshot.reader``: jdbc, copy): a new slot and topic
    prefix, prepared by notebook 01's ``lib.capture.bootstrap.run``, then ``lib.capture.snapshot.run(conf,
    spark)`` timed from the call to its return (slot creation, planning, every table read by Spark's
    tasks, encoded to Avro and written to Kafka, offsets checked, control record written).
@@ -15,7 +15,7 @@ source.tables), bank.transactions grown to ``--rows`` rows, then VACUUM ANALYZE.
 The Spark session (conf's, local[2]) is started before round 1, so JVM start-up is in neither
 number; round 1's first reader still pays the first read, Avro and Kafka use in the JVM and the
 first Python workers (cold), the rest run warm. ``--breakdown`` then reads bank.transactions three
-more ways on its own exported snapshot with the COPY reader, each to Spark's no-op sink unless
+more ways on its own exported snapshot with the first of ``--readers``, each to Spark's no-op sink unless
 said: the read alone, read + Avro encoding,
 read + encoding + Kafka write, to show where the snapshot's time goes; and COPY of the
 snapshot's own SELECT (the per-column transforms PostgreSQL computes), on one connection.
@@ -139,7 +139,7 @@ def drop_slot(conf: dict) -> None:
         conn.close()
 
 
-def breakdown(conf: dict, spark, log) -> dict:
+def breakdown(conf: dict, spark, log, reader: str) -> dict:
     """bank.transactions read (no-op sink), read + encode (no-op sink), read + encode + Kafka; seconds each."""
     conf = round_conf(conf, "parts")
     bootstrap.run(conf, log=lambda line: None)
@@ -164,10 +164,10 @@ def breakdown(conf: dict, spark, log) -> dict:
         try:
             plan = snapshot_read.plan_partitions(planner, table, int(config.get(conf, "snapshot.partition_rows")),
                                                  int(config.get(conf, "snapshot.max_partitions")),
-                                                 spark.sparkContext.defaultParallelism, by_blocks=True)
+                                                 spark.sparkContext.defaultParallelism, by_blocks=reader == "copy")
         finally:
             planner.close()
-        out["rows"], out["partitions"] = plan["rows"], plan["partitions"]
+        out["rows"], out["partitions"], out["reader"] = plan["rows"], plan["partitions"], reader
 
         def frames():
             rows, fields = snapshot_read.read_table(conf, spark, table, name, plan, unknown_types)
@@ -180,6 +180,7 @@ def breakdown(conf: dict, spark, log) -> dict:
         log(f"breakdown: COPY of the snapshot's SELECT: {plan['rows']:,} rows in {out['copy_select']:.1f} s")
         for step in ("read", "read+encode", "read+encode+kafka"):
             rows, encoded = frames()
+            cpu = bench_env.cpu_seconds(conf)
             began = time.monotonic()
             if step == "read":
                 rows.write.format("noop").mode("overwrite").save()
@@ -188,6 +189,7 @@ def breakdown(conf: dict, spark, log) -> dict:
             else:
                 snapshot_write.write(encoded, conf, topic)
             out[step] = time.monotonic() - began
+            out[f"{step} cpu"] = used_since(conf, cpu)
             log(f"breakdown: {step}: {plan['rows']:,} rows in {out[step]:.1f} s ({plan['rows'] / out[step]:,.0f} "
                 f"rows/s, {plan['partitions']} partitions)")
     finally:
@@ -199,6 +201,11 @@ def breakdown(conf: dict, spark, log) -> dict:
 def used_since(conf: dict, before: dict[str, float]) -> dict[str, float]:
     """CPU seconds per part of the stack since ``before`` (bench_env.cpu_seconds)."""
     return {part: seconds - before.get(part, 0.0) for part, seconds in bench_env.cpu_seconds(conf).items()}
+
+
+def cpu_cell(cpu: dict[str, float]) -> str:
+    """postgres / spark / kafka CPU seconds of one step (the whole step, not the increment)."""
+    return " / ".join(f"{cpu.get(part, 0.0):.1f}" for part in ("postgres", "spark", "kafka"))
 
 
 def cpu_table(rounds: list[dict]) -> list[str]:
@@ -235,16 +242,17 @@ def report(rounds: list[dict], parts: dict | None, copy_big: float | None, load_
         n = parts["rows"]
         read, encode, kafka = parts["read"], parts["read+encode"], parts["read+encode+kafka"]
         lines += ["", f"Where the time goes, {BIG_TABLE} ({n:,} rows, {parts['partitions']} partitions):", "",
-                  "| step | seconds | rows/s | share of the full path |", "|---|---|---|---|",
-                  f"| COPY TO STDOUT of the table (one connection) | {copy_big:.1f} | {n / copy_big:,.0f} | — |",
+                  "| step | seconds | rows/s | share of the full path | CPU s (postgres / spark / kafka) |",
+                  "|---|---|---|---|---|",
+                  f"| COPY TO STDOUT of the table (one connection) | {copy_big:.1f} | {n / copy_big:,.0f} | — | — |",
                   f"| COPY TO STDOUT of the snapshot's SELECT (its column transforms, one connection) | "
-                  f"{parts['copy_select']:.1f} | {n / parts['copy_select']:,.0f} | — |",
-                  f"| COPY read in Spark tasks + column transforms (no-op sink) | {read:.1f} | {n / read:,.0f} | "
-                  f"{read / kafka:.0%} |",
+                  f"{parts['copy_select']:.1f} | {n / parts['copy_select']:,.0f} | — | — |",
+                  f"| read in Spark tasks (snapshot.reader {parts['reader']}) + column transforms (no-op sink) | "
+                  f"{read:.1f} | {n / read:,.0f} | {read / kafka:.0%} | {cpu_cell(parts['read cpu'])} |",
                   f"| + Avro encoding (to_avro, envelope) | +{encode - read:.1f} | {n / encode:,.0f} | "
-                  f"{(encode - read) / kafka:.0%} |",
+                  f"{(encode - read) / kafka:.0%} | {cpu_cell(parts['read+encode cpu'])} |",
                   f"| + Kafka write (Spark's Kafka sink) | +{kafka - encode:.1f} | {n / kafka:,.0f} | "
-                  f"{(kafka - encode) / kafka:.0%} |"]
+                  f"{(kafka - encode) / kafka:.0%} | {cpu_cell(parts['read+encode+kafka cpu'])} |"]
     return "\n".join(lines) + f"\n\nmachine before: {load_before}; after: {load_after}"
 
 
@@ -254,7 +262,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows in bank.transactions")
     parser.add_argument("--rounds", type=int, default=2, help="COPY + snapshot rounds (the first is JVM-cold)")
     parser.add_argument("--breakdown", action="store_true", help="also time read / encode / Kafka separately")
-    parser.add_argument("--readers", default="copy,jdbc", help="snapshot.reader values, each run every round")
+    parser.add_argument("--readers", default="jdbc,copy", help="snapshot.reader values, each run every round")
     args = parser.parse_args(argv)
 
     def log(line):
@@ -288,7 +296,7 @@ def main(argv=None) -> None:
         parts = copy_big = None
         if args.breakdown:
             copy_big = copy_out(conf, [BIG_TABLE])["seconds"]
-            parts = breakdown(conf, spark, log)
+            parts = breakdown(conf, spark, log, args.readers.split(",")[0])
     finally:
         if spark is not None:
             spark.stop()

@@ -60,7 +60,8 @@ def _require_publication(conn, conf: dict, tables: dict[str, catalog.Table]) -> 
 
 
 class _Progress(threading.Thread):
-    """Every interval seconds, one line per table being written: rows so far (topic end offsets), rows/s."""
+    """Every interval seconds, one line per table being written: rows so far (topic end offsets), rows/s; a table
+    whose rows have all reached its topic gets one last line."""
 
     def __init__(self, conf: dict, interval: float, log):
         super().__init__(daemon=True, name="cdc-snapshot-progress")
@@ -91,6 +92,8 @@ class _Progress(threading.Thread):
                     rate = done / max(time.monotonic() - started, 1e-6)
                     share = f" ({100 * done / expected:.0f}%)" if expected else ""
                     self.progress(f"snapshot {table}: {done:,}/{expected:,} rows{share}, {rate:,.0f} rows/s")
+                    if done >= expected:
+                        self.untrack(table)  # sent in full: no more lines for it while the others run
         finally:
             consumer.close()
 
