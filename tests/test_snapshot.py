@@ -278,7 +278,9 @@ def replay(state: dict[str, dict], tables: dict[str, catalog.Table], changes: li
 
 @pytest.fixture(scope="module")
 def first_run(snap_conf, spark_session):
-    """run() while the workload writes; also reads the source as of C through the exported snapshot itself."""
+    """run() while the workload writes; also reads the source as of C through the exported snapshot itself.
+
+    Three tables per Spark job, so the eight tables take three jobs (the default puts them in one)."""
     tables = prepare_topics(snap_conf)
     writer = source.connect(snap_conf, admin=True)
     done: dict = {}
@@ -300,9 +302,11 @@ def first_run(snap_conf, spark_session):
             as_of_c.update({t.qualified: source_rows(conn, t) for t in tables.values()})
             conn.close()
 
+    per_job, snapshot.TABLES_PER_JOB = snapshot.TABLES_PER_JOB, 3
     try:
         report = snapshot.run(snap_conf, spark_session, log=progress)
     finally:
+        snapshot.TABLES_PER_JOB = per_job
         thread.join()
         writer.close()
     return {"report": report, "lines": lines, "tables": tables, "workload": done, "as_of_c": as_of_c}
@@ -802,10 +806,13 @@ def test_the_copy_reader_reads_a_partitioned_tables_leaves_and_names_a_missing_g
         admin.close()
 
 
-def test_a_failing_table_in_the_one_job_is_named_with_its_own_columns(snap_conf, spark_session):
-    """All tables are one Spark job; a value that fails the read names its table (found by the failed task's
-    partition), and the remedy lists that table's columns, not another's."""
-    conf = variant(snap_conf, "_nan", "[bank.branches, snapnan.fine, snapnan.broken]")
+@pytest.mark.parametrize("tables_per_job", [100, 2])
+def test_a_failing_table_in_the_one_job_is_named_with_its_own_columns(snap_conf, spark_session, monkeypatch,
+                                                                      tables_per_job):
+    """All tables are one Spark job (or several, past TABLES_PER_JOB); a value that fails the read names its table
+    (found by the failed task's partition), and the remedy lists that table's columns, not another's."""
+    monkeypatch.setattr(snapshot, "TABLES_PER_JOB", tables_per_job)
+    conf = variant(snap_conf, f"_nan{tables_per_job}", "[bank.branches, snapnan.fine, snapnan.broken]")
     slot = config.get(conf, "source.slot")
     admin = source.connect(conf, admin=True)
     with admin.cursor() as cur:
