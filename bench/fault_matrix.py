@@ -153,6 +153,8 @@ def start_again(conf: dict, module) -> None:
     where = module.files(folder)
     process.wait_ready(module.__name__.rsplit(".", 1)[-1], lambda: module.ready(conf),
                        float(config.get(conf, "stack.start_timeout_s")), where["log"], pid, where["pid"])
+    if module is kafka:
+        kafka.ensure_user(conf, folder)  # a restarted broker has lost its SCRAM credentials (docs/reliability.md)
 
 
 def pg_ctl_stop(conf: dict, mode: str) -> None:

@@ -103,6 +103,14 @@ def create_slot_with_snapshot(conf: dict, log=print, resnapshot: bool = False):
                 f"database {database}: "
                 f"choose another source.slot in {conf.get('conf_file', 'conf')}, or drop the slot "
                 f"(SELECT pg_drop_replication_slot('{slot}')) if nothing else uses it")
+        lost = info is not None and info["wal_status"] == "lost"  # invalidated: it still exists but cannot stream
+        if lost and state == "complete" and not resnapshot:
+            raise SnapshotError(
+                f"the snapshot of slot {slot} is recorded as complete, but PostgreSQL invalidated the slot (it "
+                f"retained more WAL than max_slot_wal_keep_size allows while nobody streamed from it): changes "
+                f"since then are lost to the stream. Remedy: stop the stream and take a new snapshot (notebook 02 "
+                f"with resnapshot=True, or run(conf, spark, resnapshot=True)); consider a larger "
+                f"max_slot_wal_keep_size")
         if info is not None and state == "complete" and not resnapshot:
             log(f"snapshot: slot {slot} exists and its snapshot is complete (consistent point "
                 f"{lsn_to_str(int(record['consistent_lsn']))}): nothing to do")

@@ -187,8 +187,10 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
         cursor.start_replication(slot_name=st.slot, decode=False, start_lsn=0, status_interval=STATUS_INTERVAL_S,
                                  options={**proto, "publication_names": _quote_ident(st.publication)})
     except psycopg2.Error as exc:
-        raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; check that no other "
-                          f"capture uses the slot and that publication {st.publication} exists") from exc
+        remedy = ("the changes it no longer holds are lost to the stream: take a new snapshot (notebook 02 with "
+                  "resnapshot=True), then start the capture again" if "invalidated" in _pg_message(exc) else
+                  f"check that no other capture uses the slot and that publication {st.publication} exists")
+        raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; {remedy}") from exc
     st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acks.acked)  # psycopg2 reads nothing from here on
     st.cursor.send_status()
     st.acks.sent_feedback = st.acks.acked
