@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from lib import config
 
@@ -84,6 +84,18 @@ def ensure_topics(admin_client: AdminClient, names: list[str], partitions: int, 
                 f"rerun the bootstrap (adding partitions to a keyed topic would move keys and break per-key order)")
         result[name] = "exists"
     return {name: result[name] for name in dict.fromkeys(names)}
+
+
+def end_offsets(admin_client: AdminClient, names: list[str], timeout_s: float = 10.0) -> dict[str, dict[int, int]]:
+    """{topic: {partition: end offset}} of the named topics that exist, asked in one request."""
+    metadata = admin_client.list_topics(timeout=timeout_s).topics
+    found = [t for t in names if t in metadata and metadata[t].error is None]
+    wanted = {TopicPartition(t, p): OffsetSpec.latest() for t in found for p in metadata[t].partitions}
+    ends: dict[str, dict[int, int]] = {t: {} for t in found}
+    if wanted:
+        for partition, future in admin_client.list_offsets(wanted, request_timeout=timeout_s).items():
+            ends[partition.topic][partition.partition] = future.result().offset
+    return {t: dict(sorted(p.items())) for t, p in ends.items()}
 
 
 def _partition_counts(admin_client: AdminClient, timeout_s: float) -> dict[str, int]:

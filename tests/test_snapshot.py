@@ -842,3 +842,21 @@ def test_a_failing_table_in_the_one_job_is_named_with_its_own_columns(snap_conf,
             cur.execute("DROP SCHEMA snapnan CASCADE")
         admin.commit()
         admin.close()
+
+
+def test_progress_lines_count_each_tables_rows_in_its_topic_until_all_arrived(snap_conf, first_run):
+    """While the job runs, a line per table from its topic's end offsets; a table all of whose rows arrived gets
+    one last line and then no more."""
+    stats = first_run["report"]["stats"]["bank.accounts"]
+    lines: list[str] = []
+    reporter = snapshot._Progress(snap_conf, 0.2, lines.append)
+    reporter.track("bank.accounts", stats["topic"], 0, stats["messages"])
+    reporter.track("bank.missing_rows", stats["topic"], 0, stats["messages"] + 5)
+    reporter.start()
+    time.sleep(1.5)
+    reporter.stop.set()
+    reporter.join()
+    done = f"snapshot bank.accounts: {stats['messages']:,}/{stats['messages']:,} rows (100%)"
+    assert sum(line.startswith(done) for line in lines) == 1, lines
+    behind = [line for line in lines if line.startswith("snapshot bank.missing_rows: ")]
+    assert len(behind) >= 3 and all(f"/{stats['messages'] + 5:,} rows" in line for line in behind), lines

@@ -81,23 +81,23 @@ class _Progress(threading.Thread):
             self.active.pop(table, None)
 
     def run(self):
-        consumer = snapshot_write.topic_consumer(self.conf)
-        try:
-            while not self.stop.wait(self.interval):
-                with self.lock:
-                    active = dict(self.active)
-                for table, (topic, start_offset, expected, started) in active.items():
-                    try:
-                        done = snapshot_write.end_offsets(consumer, topic, timeout=5) - start_offset
-                    except Exception:  # a log line is not worth failing the snapshot
-                        continue
-                    rate = done / max(time.monotonic() - started, 1e-6)
-                    share = f" ({100 * done / expected:.0f}%)" if expected else ""
-                    self.progress(f"snapshot {table}: {done:,}/{expected:,} rows{share}, {rate:,.0f} rows/s")
-                    if done >= expected:
-                        self.untrack(table)  # sent in full: no more lines for it while the others run
-        finally:
-            consumer.close()
+        admin = kafka_client.admin(self.conf)
+        while not self.stop.wait(self.interval):
+            with self.lock:
+                active = dict(self.active)
+            if not active:
+                continue
+            try:
+                ends = snapshot_write.end_offsets(admin, sorted({topic for topic, *_ in active.values()}), timeout=5)
+            except Exception:  # a log line is not worth failing the snapshot
+                continue
+            for table, (topic, start_offset, expected, started) in active.items():
+                done = sum(ends[topic].values()) - start_offset
+                rate = done / max(time.monotonic() - started, 1e-6)
+                share = f" ({100 * done / expected:.0f}%)" if expected else ""
+                self.progress(f"snapshot {table}: {done:,}/{expected:,} rows{share}, {rate:,.0f} rows/s")
+                if done >= expected:
+                    self.untrack(table)  # sent in full: no more lines for it while the others run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def _register_all(conf: dict, tables: dict[str, catalog.Table], topics: dict[str
         return (key, value, schema_registry.register(registry, key_subject, key)[0],
                 schema_registry.register(registry, value_subject, value)[0])
 
-    with ThreadPoolExecutor(max_workers=min(8, len(tables)), thread_name_prefix="cdc-snapshot-schemas") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(tables))), thread_name_prefix="cdc-snapshot-schemas") as pool:
         return dict(zip(tables, pool.map(register, tables), strict=True))
 
 
@@ -214,7 +214,8 @@ def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:
     """
     conf, spark, log = job["conf"], job["spark"], job["log"]
     order = sorted(tables, key=lambda n: plans[n]["rows"])
-    earlier = snapshot_write.end_offsets_of(conf, [topics[n] for n in order])
+    admin = kafka_client.admin(conf)
+    earlier = snapshot_write.end_offsets(admin, [topics[n] for n in order])
     reporter = _Progress(conf, float(config.get(conf, "snapshot.progress_s")), log)
     for name in order:
         log(f"snapshot {name}: {plans[name]['rows']:,} rows in {plans[name]['partitions']} partition(s) "
@@ -238,7 +239,7 @@ def _write_all(job: dict, tables, topics, schemas, plans) -> dict[str, dict]:
         reporter.stop.set()
         reporter.join()
     elapsed = time.monotonic() - started
-    after = snapshot_write.end_offsets_of(conf, [topics[n] for n in order])
+    after = snapshot_write.end_offsets(admin, [topics[n] for n in order])
     stats = {}
     for name in order:
         stats[name] = _check_written(job, tables[name], topics[name], schemas[name], plans[name], fields[name],

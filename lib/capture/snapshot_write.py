@@ -9,10 +9,8 @@ import json
 import time
 
 import fastavro
-from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import OffsetSpec
 
-from lib import config, kafka_client, schema_registry
+from lib import config, kafka_client, schema_registry, topics
 from lib.capture import avro_schemas, catalog
 from lib.capture.snapshot_slot import SnapshotError
 from lib.schema_registry import confluent_header
@@ -168,42 +166,16 @@ def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, sche
     delete = F.concat(F.lit(confluent_header(value_id) + b"\x02"), to_avro(before, value_json), F.lit(b"\x00" + tail))
     events = decoded.select(F.concat(F.lit(confluent_header(key_id)), F.col("k")).alias("key"),
                             F.explode(F.array(delete, F.lit(None).cast("binary"))).alias("value"))  # d, then tombstone
-    consumer = topic_consumer(conf)
-    try:
-        start = end_offsets(consumer, topic)
-        write(events, conf, topic)
-        return (end_offsets(consumer, topic) - start) // 2
-    finally:
-        consumer.close()
-
-
-def end_offsets_of(conf: dict, topics: list[str], timeout: float = 30.0) -> dict[str, dict[int, int]]:
-    """Every topic's end offset per partition, asked in one request."""
     admin = kafka_client.admin(conf)
-    metadata = admin.list_topics(timeout=timeout).topics
-    missing = [t for t in topics if t not in metadata or metadata[t].error is not None]
+    start = sum(end_offsets(admin, [topic])[topic].values())
+    write(events, conf, topic)
+    return (sum(end_offsets(admin, [topic])[topic].values()) - start) // 2
+
+
+def end_offsets(admin, names: list[str], timeout: float = 30.0) -> dict[str, dict[int, int]]:
+    """Every topic's end offset per partition (lib.topics.end_offsets); a missing topic -> SnapshotError."""
+    ends = topics.end_offsets(admin, names, timeout)
+    missing = [t for t in names if t not in ends]
     if missing:
         raise SnapshotError(f"topic(s) {', '.join(missing)} are not readable; run notebook 01 to create them")
-    wanted = {TopicPartition(t, p): OffsetSpec.latest() for t in topics for p in metadata[t].partitions}
-    ends: dict[str, dict[int, int]] = {t: {} for t in topics}
-    for partition, future in admin.list_offsets(wanted, request_timeout=timeout).items():
-        ends[partition.topic][partition.partition] = future.result().offset
-    return {t: dict(sorted(p.items())) for t, p in ends.items()}
-
-
-def end_offsets(consumer: Consumer, topic: str, timeout: float = 30.0) -> int:
-    """Sum of the topic's end offsets over its partitions."""
-    return sum(partition_end_offsets(consumer, topic, timeout).values())
-
-
-def partition_end_offsets(consumer: Consumer, topic: str, timeout: float = 30.0) -> dict[int, int]:
-    """The topic's end offset per partition."""
-    metadata = consumer.list_topics(topic, timeout=timeout).topics[topic]
-    if metadata.error is not None:
-        raise SnapshotError(f"topic {topic} is not readable: {metadata.error}; run notebook 01 to create it")
-    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1]
-            for p in sorted(metadata.partitions)}
-
-
-def topic_consumer(conf: dict) -> Consumer:
-    return kafka_client.consumer(conf, "cdc-snapshot-offsets")
+    return ends

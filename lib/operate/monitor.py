@@ -31,6 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from lib import config, control, kafka_client, source
+from lib import topics as topics_lib
 from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.lake import lake_paths
 from lib.operate import keeper, metrics
@@ -162,20 +163,7 @@ def committed_offsets(checkpoint: str) -> dict[str, dict[int, int]] | None:
 
 def end_offsets(conf: dict, topics: list[str], timeout: float = 10.0) -> dict[str, dict[int, int]]:
     """{topic: {partition: high watermark}} for the topics that exist."""
-    from confluent_kafka import TopicPartition
-
-    consumer = kafka_client.consumer(conf, "cdc-monitor")
-    try:
-        metadata = consumer.list_topics(timeout=timeout).topics
-        found = {}
-        for topic in topics:
-            if topic not in metadata or metadata[topic].error is not None:
-                continue
-            found[topic] = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1]
-                            for p in metadata[topic].partitions}
-        return found
-    finally:
-        consumer.close()
+    return topics_lib.end_offsets(kafka_client.admin(conf), topics, timeout)
 
 
 def kafka_lag(conf: dict) -> dict[str, dict]:
