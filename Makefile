@@ -9,19 +9,20 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PG_BIN := /usr/lib/postgresql/15/bin
+PG_MAJORS_TEST := 13,18
+PG_MAJORS_ALL := 13,14,15,16,17,18
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test lint jupyter clean run stop teardown faults
+.PHONY: install system fetch up down status logs sample demo test compat lint jupyter clean run stop teardown faults
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
 
-system:  ## Debian packages: PostgreSQL 15 server, Java 17, Maven (only those missing)
+system:  ## Debian packages: a PostgreSQL server (Debian's default major), Java 17, Maven (only those missing)
 	missing=()
 	command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
 	command -v mvn >/dev/null || missing+=(maven)
-	test -x $(PG_BIN)/pg_ctl || missing+=(postgresql-15)
+	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || missing+=(postgresql)
 	[ $${#missing[@]} -eq 0 ] && exit 0
 	if [ "$$(id -u)" -ne 0 ]; then
 	  echo "error: missing system packages: $${missing[*]}; install them with sudo apt-get install -y $${missing[*]}" >&2
@@ -85,8 +86,13 @@ demo: sample  ## the main job on the local stack: notebooks in order, executed c
 lint: $(STAMP)
 	$(PY) -m ruff check $(wildcard lib tests bench notebooks)
 
-test: sample lint  ## the whole suite against the running stack (notebooks under nbval)
-	$(PY) -m pytest --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
+test: sample lint  ## the whole suite against the running stack (notebooks under nbval; PostgreSQL 13 and 18 beside it)
+	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
+	CDC_PG_MAJORS=$(PG_MAJORS_TEST) $(PY) -m pytest --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
+
+compat: up  ## the pipeline on every PostgreSQL major from 13 to 18 (servers started beside the stack)
+	$(PY) -m lib.local.stack versions up
+	CDC_PG_MAJORS=$(PG_MAJORS_ALL) $(PY) -m pytest --durations=10 tests/test_pg_versions.py tests/test_pgoutput_versions.py
 
 faults: up  ## failure matrix under load (Kafka/PostgreSQL/registry down, kill -9, disk full...); docs/reliability.md
 	$(PY) bench/fault_matrix.py $(if $(CASES),--cases $(CASES)) $(if $(CYCLES),--cycles $(CYCLES))

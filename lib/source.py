@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import psycopg2
 import psycopg2.extras
 
@@ -46,8 +48,12 @@ def _keys(admin: bool) -> tuple[str, str]:
 
 
 def connect(conf: dict, admin: bool = False, dbname: str | None = None, replication: bool = False,
-            **options):
-    """A psycopg2 connection; replication=True gives a LogicalReplicationConnection."""
+            settings: dict[str, str] | None = None, **options):
+    """A psycopg2 connection; replication=True gives a LogicalReplicationConnection.
+
+    settings are session parameters set after connecting, each only where the server has it (e.g.
+    idle_session_timeout exists from PostgreSQL 14): a startup option the server does not know fails the login.
+    """
     user_key, password_key = _keys(admin)
     host, port = config.get(conf, "source.host"), int(config.get(conf, "source.port"))
     user = config.get(conf, user_key)
@@ -57,7 +63,7 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
     if replication:
         params["connection_factory"] = psycopg2.extras.LogicalReplicationConnection
     try:
-        return psycopg2.connect(password=secrets.setting(conf, password_key), **params)
+        conn = psycopg2.connect(password=secrets.setting(conf, password_key), **params)
     except psycopg2.OperationalError as exc:
         # libpq's message: 'connection to server at ... failed: <cause>', sometimes a hint line after it
         reason = ". ".join(line.strip() for line in str(exc).strip().splitlines()) or type(exc).__name__
@@ -77,3 +83,18 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
                       f"locally `make up`)")
         raise SourceError(f"cannot connect to PostgreSQL {host}:{port}/{database} as {user}: "
                           f"{reason}; {remedy}") from exc
+    if settings:
+        set_known(conn, settings)
+    return conn
+
+
+def set_known(conn, settings: dict[str, str]) -> list[str]:
+    """Set each session parameter the server has (outside a transaction); the names it set."""
+    names = list(settings)
+    with conn.cursor() as cur:  # also on a replication connection: its walsender takes SQL (replication=database)
+        cur.execute("SELECT name, set_config(name, (%s::jsonb ->> name), false) FROM pg_settings "
+                    "WHERE name = ANY(%s)", (json.dumps({k: str(v) for k, v in settings.items()}), names))
+        done = [row[0] for row in cur.fetchall()]
+    if not getattr(conn, "autocommit", True) and conn.get_transaction_status():
+        conn.commit()
+    return done

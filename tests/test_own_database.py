@@ -1,8 +1,11 @@
 """A database that is not the sample (issue 15): a small shop with its own conf file, run the way a user runs it.
 
-The test makes the database (a composite key, numeric, jsonb, timestamptz, a TOASTed text, a table keyed
-through source.keys), writes conf/<target>.yml into a folder of its own (CDC_CONF_DIR), runs all five
-notebooks as a job with `python -m lib.operate.jobs --target <it>`, then writes changes, catches up and
+The database lives on the newest PostgreSQL major the README claims (18, a server of the version matrix,
+lib/local/stack/pg_versions.py), set up as README's "Capture your own database" says: a superuser makes the
+reading role (LOGIN REPLICATION) and the owner role, which owns the schema but not the database and gets
+CREATE on it. The test makes the tables (a composite key, numeric, jsonb, timestamptz, a TOASTed text, a
+table keyed through source.keys), writes conf/<target>.yml into a folder of its own (CDC_CONF_DIR), runs all
+five notebooks as a job with `python -m lib.operate.jobs --target <it>`, then writes changes, catches up and
 checks that every table is exact, that the views follow the default-drop policy, and that no planted
 personal value appears in a view or in an executed notebook.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import uuid
@@ -22,11 +26,13 @@ from psycopg2 import sql
 from lib import config, source
 from lib.capture import stream
 from lib.lake import merge, micro_batch, reconcile
+from lib.local.stack import pg_versions, postgres
 from lib.operate import teardown
 from lib.views import changes, masking
 
 pytestmark = pytest.mark.stack
 
+MAJOR = 18  # the newest major the README claims
 CANARIES = ("canary-ada@shop.example", "Canary Lovelace", "canary-clerk-7")
 TABLES = ["shop.customers", "shop.orders", "shop.order_lines", "shop.audit_log"]
 DDL = """
@@ -66,26 +72,47 @@ def _write_rows(cur, start: int, count: int, actor: str) -> None:
                     (json.dumps({"order": n}),))
 
 
+def _superuser(server: dict, dbname: str = "postgres"):
+    """The version server's superuser over its private socket, autocommit."""
+    conn = postgres.superuser_connect(server, postgres.layout(pg_versions.postgres_stack_dir(server), server), dbname)
+    conn.autocommit = True
+    return conn
+
+
 @pytest.fixture(scope="module")
 def shop(live_stack, tmp_path_factory, drop_slot):
-    """The shop database with rows, its conf file in a folder of its own, and the job run on it."""
+    """The shop database with rows on a PostgreSQL 18 server, its conf file in a folder of its own, the job run."""
+    server = pg_versions.up(live_stack, [MAJOR], log=lambda line: None)[MAJOR]
     tag = uuid.uuid4().hex[:8]
     database, target, folder = f"shop_{tag}", f"shop_{tag}", tmp_path_factory.mktemp("own_database")
-    admin = source.connect(live_stack, admin=True, dbname="postgres")
-    admin.autocommit = True
-    with admin.cursor() as cur:
+    reader, owner_role = f"cdc_reader_{tag}", f"shop_owner_{tag}"
+    passwords = {f"SHOP_PG_PASSWORD_{tag}": secrets.token_urlsafe(12),
+                 f"SHOP_PG_ADMIN_PASSWORD_{tag}": secrets.token_urlsafe(12)}
+    (reader_secret, reader_password), (owner_secret, owner_password) = passwords.items()
+    os.environ.update(passwords)
+    root = _superuser(server)
+    with root.cursor() as cur:  # README step 1, as a superuser; the owner makes schema shop below
+        cur.execute(sql.SQL("CREATE ROLE {} LOGIN REPLICATION PASSWORD %s").format(sql.Identifier(reader)),
+                    (reader_password,))
+        cur.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD %s").format(sql.Identifier(owner_role)), (owner_password,))
         cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
-    owner = source.connect(live_stack, admin=True, dbname=database)
+        cur.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(sql.Identifier(database),
+                                                                         sql.Identifier(owner_role)))
+    server_conf = config.apply_overrides(server, {
+        "CDC__SOURCE__DATABASE": database, "CDC__SOURCE__ADMIN_USER": owner_role,
+        "CDC__SOURCE__ADMIN_PASSWORD": f"{{env: {owner_secret}}}"})
+    owner = source.connect(server_conf, admin=True)
     owner.autocommit = True
     with owner.cursor() as cur:
         cur.execute(DDL)
         cur.execute(sql.SQL("GRANT USAGE ON SCHEMA shop TO {0}; GRANT SELECT ON ALL TABLES IN SCHEMA shop TO {0}")
-                    .format(sql.Identifier(config.get(live_stack, "source.user"))))
+                    .format(sql.Identifier(reader)))
         _write_rows(cur, 1, 20, CANARIES[2])
     raw = yaml.safe_load((config.CONF_DIR / "local.yml").read_text())
     raw.pop("stack")  # a user's database: the local stack's own section does not apply
-    raw["source"].update(database=database, slot=target, publication=target, tables=TABLES,
-                         keys={"shop.audit_log": ["event_uuid"]})
+    raw["source"].update(port=server["source"]["port"], database=database, user=reader,
+                         password={"env": reader_secret}, admin_user=owner_role, admin_password={"env": owner_secret},
+                         slot=target, publication=target, tables=TABLES, keys={"shop.audit_log": ["event_uuid"]})
     raw["kafka"]["topic_prefix"] = f"cdc-test-{tag}-shop"
     raw["lake"]["root"] = str(folder / "lake")
     raw["jobs"]["runs_dir"] = str(folder / "runs")
@@ -99,13 +126,15 @@ def shop(live_stack, tmp_path_factory, drop_slot):
                          env=env, capture_output=True, text=True, timeout=1500)
     yield {"conf": conf, "owner": owner, "job": job, "runs": sorted((folder / "runs").glob("*/*.ipynb"))}
     drop_slot(conf, target)
-    with owner.cursor() as cur:
-        cur.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(target)))
     owner.close()
-    with admin.cursor() as cur:
+    with root.cursor() as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
-    admin.close()
+        for role in (reader, owner_role):
+            cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+    root.close()
     teardown.delete_prefix(conf, config.get(conf, "kafka.topic_prefix"))
+    for name in passwords:
+        os.environ.pop(name, None)
 
 
 def test_all_five_notebooks_run_as_a_job_on_a_database_that_is_not_the_sample(shop):

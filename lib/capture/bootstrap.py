@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psycopg2.errors
 from psycopg2 import sql
 
 from lib import config, control, kafka_client, schema_registry, source, topics
@@ -151,6 +152,38 @@ def declared_key_unique(conn, name: str, table: catalog.Table) -> Finding:
                    f"a key would collapse into one in Kafka and Delta")
 
 
+def publication_findings(conn, conf: dict, tables: dict[str, catalog.Table]) -> list[Finding]:
+    """The setup role (source.admin_user) may create the publication: CREATE on the database, owner of each table.
+
+    Asked of the catalog as the pipeline role; once the publication exists, nothing more is needed.
+    """
+    name = config.get(conf, "source.publication")
+    admin = config.get(conf, "source.admin_user")
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,))
+        if cur.fetchone():
+            return [Finding(f"publication {name}", True, "exists (notebook 01 checks that it lists every table)")]
+        cur.execute("SELECT current_database(), (SELECT oid FROM pg_roles WHERE rolname = %s)", (admin,))
+        database, admin_oid = cur.fetchone()
+        if admin_oid is None:
+            return [Finding(f"role {admin} (source.admin_user) exists", False, "no such role",
+                            "set source.admin_user to the role that owns the captured tables")]
+        cur.execute("SELECT has_database_privilege(%s, current_database(), 'CREATE')", (admin_oid,))
+        may_create = cur.fetchone()[0]
+        findings = [Finding(f"database {database}: CREATE granted to {admin} (to create publication {name})",
+                            may_create, "yes" if may_create else "no",
+                            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+                                sql.Identifier(database), sql.Identifier(admin)).as_string(conn))]
+        for table_name, table in tables.items():
+            cur.execute("SELECT pg_has_role(%s, relowner, 'USAGE'), relowner::regrole::text FROM pg_class "
+                        "WHERE oid = %s", (admin_oid, table.oid))
+            owns, owner = cur.fetchone()
+            if not owns:  # only a table's owner may publish it
+                findings.append(Finding(f"{table_name}: owned by {admin} (to publish it)", False, f"owner is {owner}",
+                                        f"set source.admin_user to {owner}, or GRANT {owner} TO {admin}"))
+    return findings
+
+
 def slot_findings(conn, conf: dict) -> list[Finding]:
     """The slot, if it exists already, uses pgoutput on this database."""
     slot = config.get(conf, "source.slot")
@@ -178,7 +211,7 @@ def check(conf: dict) -> tuple[dict[str, catalog.Table], list[Finding]]:
     try:
         findings = server_findings(conn) + role_findings(conn, user)
         tables, table_checks = table_findings(conn, conf, user)
-        return tables, findings + table_checks + slot_findings(conn, conf)
+        return tables, findings + table_checks + publication_findings(conn, conf, tables) + slot_findings(conn, conf)
     finally:
         conn.close()
 
@@ -214,8 +247,14 @@ def ensure_publication(conf: dict, tables: dict[str, catalog.Table]) -> str:
             if row is None:
                 idents = sql.SQL(", ").join(sql.Identifier(t.schema, t.name) for t in tables.values())
                 options = sql.SQL(" WITH (publish_via_partition_root = true)" if via_root else "")
-                cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(sql.Identifier(name), idents,
-                                                                                   options))
+                try:
+                    cur.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}{}").format(sql.Identifier(name), idents,
+                                                                                       options))
+                except psycopg2.errors.InsufficientPrivilege as exc:
+                    raise BootstrapError(
+                        f"cannot create publication {name} as {config.get(conf, 'source.admin_user')} "
+                        f"(source.admin_user): {str(exc).strip().splitlines()[0]}. Remedy: the role needs CREATE on "
+                        f"the database and must own every table (notebook 01's checks print the GRANT)") from exc
                 return "created"
             if via_root and not row[2]:
                 cur.execute(sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)")

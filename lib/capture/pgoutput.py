@@ -231,6 +231,24 @@ class StreamAbort:
     abort_ts: datetime | None = None
 
 
+def protocol_options(server_version: int) -> dict[str, str]:
+    """pgoutput's options for a server (server_version_num): the newest protocol it speaks.
+
+    13: protocol 1 (a transaction arrives once committed; no logical messages, so heartbeats only move the slot).
+    14: 2, streaming on (a large transaction arrives in blocks while it runs) and logical messages.
+    15: 3; two_phase stays off, so a prepared transaction arrives at COMMIT PREPARED like any other and nothing
+    a later ROLLBACK PREPARED undoes ever reaches Kafka.
+    16 and later: 4 with streaming parallel (a streamed abort also carries its LSN and time).
+    """
+    if server_version < 140000:
+        return {"proto_version": "1"}
+    if server_version < 150000:
+        return {"proto_version": "2", "streaming": "on", "messages": "true"}
+    if server_version < 160000:
+        return {"proto_version": "3", "streaming": "on", "messages": "true"}
+    return {"proto_version": "4", "streaming": "parallel", "messages": "true"}
+
+
 def lsn_to_str(lsn: int) -> str:
     """LSN as PostgreSQL prints it, e.g. 16/B374D848."""
     return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"

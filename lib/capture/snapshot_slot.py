@@ -152,8 +152,8 @@ def _create_slot(conf: dict, slot: str):
     """CREATE_REPLICATION_SLOT ... with an exported snapshot, on a new replication connection."""
     # the connection must survive idle while Spark reads: no idle timeouts, TCP keepalives on
     conn = source.connect(conf, replication=True, keepalives=1, keepalives_idle=30,
-                          options="-c idle_session_timeout=0 -c idle_in_transaction_session_timeout=0 "
-                                  "-c statement_timeout=0")
+                          settings={"idle_session_timeout": "0", "idle_in_transaction_session_timeout": "0",
+                                    "statement_timeout": "0"})
     if conn.server_version >= 150000:
         command = f"CREATE_REPLICATION_SLOT {sql_ident(slot)} LOGICAL {PLUGIN} (SNAPSHOT 'export')"
     else:

@@ -33,7 +33,7 @@ from lib.capture import (
     replication,
     streamed_transactions,
 )
-from lib.capture.pgoutput import PgOutputError, lsn_to_str, str_to_lsn
+from lib.capture.pgoutput import PgOutputError, lsn_to_str, protocol_options, str_to_lsn
 from lib.capture.stream_state import DeliveryError, SnapshotIncompleteError, State, StreamError
 
 UNTIL = ("caught_up", "forever")
@@ -151,9 +151,12 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
             raise StreamError(f"publication {st.publication} (source.publication) does not exist in database "
                               f"{st.database}: run notebook 01 (bootstrap) to create it")
         if st.heartbeat_s:
-            cur.execute("SELECT has_function_privilege('pg_catalog.pg_logical_emit_message(boolean,text,text)', "
-                        "'EXECUTE')")
-            if not cur.fetchone()[0]:
+            # by oid: PostgreSQL 17 added a fourth parameter (flush), so the signature differs between majors
+            cur.execute("SELECT p.oid::regprocedure::text, has_function_privilege(p.oid, 'EXECUTE') FROM pg_proc p "
+                        "WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::regnamespace "
+                        "AND p.proargtypes[2] = 'text'::regtype")
+            st.heartbeat_function, allowed = cur.fetchone()
+            if not allowed:
                 raise StreamError(_heartbeat_grant(st))
         cur.execute("SELECT pg_current_wal_lsn()::text")
         st.acks.target = st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
@@ -181,8 +184,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     st.repl = source.connect(conf, replication=True, options=options)
     cursor = st.repl.cursor()
     version = st.repl.server_version
-    proto = {"proto_version": "2", "streaming": "on", "messages": "true"} if version >= 140000 else {
-        "proto_version": "1"}
+    proto = protocol_options(version)
     try:
         cursor.start_replication(slot_name=st.slot, decode=False, start_lsn=0, status_interval=STATUS_INTERVAL_S,
                                  options={**proto, "publication_names": _quote_ident(st.publication)})
@@ -421,11 +423,12 @@ def _heartbeat(st: State) -> None:
 
 
 def _heartbeat_grant(st: State) -> str:
+    """The remedy for a role that may not write heartbeats, naming the function's signature on this server."""
     user = config.get(st.conf, "source.user")
     return (f"role {user} may not call pg_logical_emit_message, which the capture uses for heartbeats (so an idle "
-            f"slot keeps moving): as a superuser run GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message("
-            f"boolean, text, text) TO {user}; or run with heartbeat_s=0 (then writes to unpublished tables alone "
-            f"may not advance the slot)")
+            f"slot keeps moving): as a superuser run GRANT EXECUTE ON FUNCTION "
+            f"pg_catalog.{st.heartbeat_function} TO {user}; or run with heartbeat_s=0 (then writes to unpublished "
+            f"tables alone may not advance the slot)")
 
 
 def _reconnect_sql(st: State) -> None:

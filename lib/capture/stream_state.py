@@ -87,6 +87,7 @@ class State:
         self.prefix = config.get(conf, "kafka.topic_prefix")
         self.unknown_types = config.get(conf, "source.unknown_types")
         self.heartbeat_s = heartbeat_s if heartbeat_s and heartbeat_s > 0 else None
+        self.heartbeat_function = "pg_logical_emit_message(boolean,text,text)"  # as the server names it (_open)
         self.metrics_interval_s = metrics_interval_s
         self.stop_event, self.metrics_callback = stop_event, metrics_callback
         self.started = time.monotonic()

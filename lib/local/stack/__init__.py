@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from lib import config, secrets
-from lib.local.stack import fetch, kafka, postgres, process, registry, tls
+from lib.local.stack import fetch, kafka, pg_versions, postgres, process, registry, tls
 from lib.local.stack.process import StackError
 
 __all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
@@ -137,6 +137,7 @@ def down(conf: dict, log=print) -> None:
     registry.stop(folder, log=log)
     kafka.stop(folder, log=log)
     postgres.stop(conf, folder, log=log)
+    pg_versions.down(conf, log=log)
 
 
 def clean(conf: dict, log=print) -> None:
@@ -185,8 +186,8 @@ def status_of(conf: dict, name: str) -> dict:
 
 
 def status(conf: dict) -> list[dict]:
-    """One row per service: state, pid, port, version, log file."""
-    return [status_of(conf, name) for name in SERVICES]
+    """One row per service: state, pid, port, version, log file (version servers once started here)."""
+    return [status_of(conf, name) for name in SERVICES] + pg_versions.status(conf)
 
 
 def logs(conf: dict, service: str | None = None, lines: int = 40) -> str:

@@ -1,4 +1,4 @@
-"""Command line for the local stack: python -m lib.local.stack {fetch,up,down,status,logs}."""
+"""Command line for the local stack: python -m lib.local.stack {fetch,up,down,status,logs,versions}."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from lib import config
 from lib.local import stack
+from lib.local.stack import pg_versions
 from lib.local.stack.process import StackError
 from lib.secrets import SecretError
 from lib.source import SourceError
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--customers", type=int, default=200)
     sample.add_argument("--seed", type=int, default=7)
     sample.add_argument("--reset", action="store_true", help="drop schema bank and load it again")
+    versions = commands.add_parser("versions", help="servers of other PostgreSQL majors (the version matrix)")
+    versions.add_argument("action", choices=("up", "down", "status"))
+    versions.add_argument("majors", nargs="?", help="e.g. 13,18 (default: every major in conf)")
     logs = commands.add_parser("logs", help="last lines of the services' logs")
     logs.add_argument("service", nargs="?", choices=stack.SERVICES)
     logs.add_argument("-n", "--lines", type=int, default=40)
@@ -43,10 +47,20 @@ def main(argv: list[str] | None = None) -> int:
             stack.down(conf)
         elif args.command == "clean":
             stack.clean(conf)
+        elif args.command == "versions":
+            if args.action == "up":
+                for major, server in pg_versions.up(conf, args.majors).items():
+                    print(f"postgres-{major} {pg_versions.versions(conf)[major]} at "
+                          f"{server['source']['host']}:{server['source']['port']}")
+            elif args.action == "down":
+                pg_versions.down(conf)
+            else:
+                for row in pg_versions.status(conf):
+                    print(f"{row['service']:11s} {row['state']:9s} {row['port']:>6}  {row['version']:8s} {row['log']}")
         elif args.command == "status":
-            print(f"{'service':9s} {'state':15s} {'pid':>7s} {'port':>6s}  {'version':16s} log")
+            print(f"{'service':11s} {'state':15s} {'pid':>7s} {'port':>6s}  {'version':16s} log")
             for row in stack.status(conf):
-                print(f"{row['service']:9s} {row['state']:15s} {str(row['pid'] or '-'):>7s} "
+                print(f"{row['service']:11s} {row['state']:15s} {str(row['pid'] or '-'):>7s} "
                       f"{row['port']:>6}  {row['version']:16s} {row['log']}")
             print()
             for name, where in stack.endpoints(conf).items():

@@ -17,10 +17,15 @@ from lib import config, secrets
 from lib.local.stack import process, tls
 from lib.local.stack.process import StackError
 
+DEBIAN_BINARIES = Path("/usr/lib/postgresql")
+
 
 def bin_dir(conf: dict) -> Path:
-    """The server binaries (initdb, pg_ctl, postgres); error says how to install them."""
-    folder = Path(config.get(conf, "stack.postgres.bin_dir"))
+    """The server binaries (initdb, pg_ctl, postgres): stack.postgres.bin_dir, else the newest Debian major."""
+    configured = config.get(conf, "stack.postgres.bin_dir", None)
+    installed = sorted(DEBIAN_BINARIES.glob("*/bin/pg_ctl"), key=lambda path: int(path.parts[-3])
+                       if path.parts[-3].isdigit() else 0)
+    folder = Path(configured) if configured else installed[-1].parent if installed else DEBIAN_BINARIES / "N/bin"
     if not (folder / "pg_ctl").is_file():
         raise StackError(
             f"postgres: no server binaries in {folder}: install them with "
@@ -37,9 +42,15 @@ def as_server_user(command: list[str], conf: dict) -> list[str]:
     return ["runuser", "-u", config.get(conf, "stack.postgres.superuser"), "--", *command]
 
 
+def folder_name(conf: dict) -> str:
+    """The cluster's folder under the stack's: postgres, or postgres-<major> for the version matrix's servers."""
+    return config.get(conf, "stack.postgres.folder", "postgres")
+
+
 def home(stack_dir: Path, conf: dict) -> Path:
-    """The cluster's folder (.stack/postgres, or a linked folder the server user can reach)."""
-    link = stack_dir / "postgres"
+    """The cluster's folder (.stack/<folder_name>, or a linked folder the server user can reach)."""
+    name = folder_name(conf)
+    link = stack_dir / name
     if link.exists():
         return link.resolve()
     link.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +65,7 @@ def home(stack_dir: Path, conf: dict) -> Path:
             # a folder it can reach and link it from the project
             link.rmdir()
             digest = hashlib.sha1(str(stack_dir.resolve()).encode()).hexdigest()[:10]
-            target = Path(tempfile.gettempdir()) / f"cdc-stack-{digest}" / "postgres"
+            target = Path(tempfile.gettempdir()) / f"cdc-stack-{digest}" / name
             target.mkdir(parents=True, exist_ok=True)
             shutil.chown(target.parent, user=user)
             shutil.chown(target, user=user)
@@ -241,7 +252,7 @@ def ensure_roles(conf: dict, where: dict[str, Path]) -> None:
 
 def stop(conf: dict, stack_dir: Path, log=print) -> None:
     """Fast shutdown (rolls back open transactions, keeps the data)."""
-    if not (stack_dir / "postgres").exists():
+    if not (stack_dir / folder_name(conf)).exists():
         return
     where = layout(stack_dir, conf)
     if not running_pid(where):
@@ -255,8 +266,9 @@ def stop(conf: dict, stack_dir: Path, log=print) -> None:
 
 def status(conf: dict, stack_dir: Path) -> dict:
     """What runs where, for `stack status`."""
-    exists = (stack_dir / "postgres").exists()
-    where = layout(stack_dir, conf) if exists else {"log": stack_dir / "postgres" / "postgres.log"}
+    name = folder_name(conf)
+    exists = (stack_dir / name).exists()
+    where = layout(stack_dir, conf) if exists else {"log": stack_dir / name / "postgres.log"}
     pid = running_pid(where) if exists else None
-    return {"service": "postgres", "state": "running" if pid else "stopped", "pid": pid,
+    return {"service": name, "state": "running" if pid else "stopped", "pid": pid,
             "port": config.get(conf, "source.port"), "version": version(conf), "log": where["log"]}
