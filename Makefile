@@ -13,7 +13,7 @@ PG_MAJORS_TEST := 13,18
 PG_MAJORS_ALL := 13,14,15,16,17,18
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test compat lint jupyter clean run stop teardown faults
+.PHONY: install system fetch up down status logs sample demo test check compat lint jupyter clean run stop teardown faults
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
@@ -88,7 +88,15 @@ lint: $(STAMP)
 
 test: sample lint  ## the whole suite against the running stack (notebooks under nbval; PostgreSQL 13 and 18 beside it)
 	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
-	CDC_PG_MAJORS=$(PG_MAJORS_TEST) $(PY) -m pytest --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS))
+	export CDC_PG_MAJORS=$(PG_MAJORS_TEST)
+	# two workers, a module (the notebooks: all five, in order) on one; then the tests that need the stack alone
+	status=0
+	$(PY) -m pytest -n 2 -m "not serial" --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
+	$(PY) -m pytest -m serial --durations=10 tests || status=$$?
+	exit $$status
+
+check: $(STAMP) lint  ## the fast loop: ruff and every test that needs no running service (no stack, under 2 minutes)
+	$(PY) -m pytest -n 2 -m "not stack" tests
 
 compat: up  ## the pipeline on every PostgreSQL major from 13 to 18 (servers started beside the stack)
 	$(PY) -m lib.local.stack versions up

@@ -153,7 +153,7 @@ def background_write(conf: dict, rate: float, tx_rows: int, tag: str):
 
 
 def background_workload(conf: dict, rate: float):
-    """lib.local.workload at rate business transactions/s in a thread, in runs of 3 s, reconnecting when the server
+    """lib.local.workload at rate business transactions/s in a thread, in runs of 1 s, reconnecting when the server
     drops the connection; returns stop() -> {transactions, reconnects} (stops after the current run)."""
     from lib.local import workload
 
@@ -164,7 +164,7 @@ def background_workload(conf: dict, rate: float):
         while not stopping.is_set():
             try:
                 conn, seed = conn or source.connect(conf, admin=True), seed + 1
-                done["transactions"] += workload.run(conn, rate, duration=3, seed=seed)["transactions"]
+                done["transactions"] += workload.run(conn, rate, duration=1, seed=seed)["transactions"]
             except Exception:  # noqa: BLE001 - a restarted server: reconnect and go on
                 with contextlib.suppress(Exception):
                     conn.close()

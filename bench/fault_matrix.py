@@ -39,7 +39,8 @@ from lib.operate import keeper, metrics, monitor, service, tables  # noqa: E402
 TABLES = ["bank.customers", "bank.account_holders", "bank.transactions"]
 SERVICES = ("capture", "merge")
 RATE = 8.0  # workload business transactions per second
-KAFKA_DOWN_S = 45.0  # how long kafka_kill keeps the broker down
+KAFKA_DOWN_S = 45.0  # how long kafka_kill keeps the broker down (at least: until both keepers wait for it)
+CHILDREN_KILLED_AFTER_S = 10.0  # how far into the broker's outage kafka_kill kills capture and merge
 LAKE_FS_SIZE = "64m"  # disk_full's lake filesystem
 DOC = bench_env.REPO / "docs" / "reliability.md"
 BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
@@ -194,13 +195,16 @@ def case_kafka_kill(ctx: dict, cycles: int, log) -> float:
     conf = ctx["conf"]
     for cycle in range(cycles):
         pid = kill_recorded("kafka", kafka.files(stack.stack_dir(conf))["pid"])
-        time.sleep(10)
+        down_at = time.monotonic()
+        time.sleep(CHILDREN_KILLED_AFTER_S)
         children = [kill_child(conf, name) for name in SERVICES]
-        time.sleep(KAFKA_DOWN_S - 10)
+        bench_env.wait_for(lambda: all(keeper.state(conf, n)["state"] == "waiting" for n in SERVICES), 120,
+                           "both keepers to wait for Kafka", poll_s=0.2)
+        time.sleep(max(0.0, KAFKA_DOWN_S - (time.monotonic() - down_at)))
         start_again(conf, kafka)
         ended = time.monotonic()
-        log(f"  cycle {cycle + 1}: broker pid {pid} killed (-9), capture and merge pids {children} killed 10 s "
-            f"later, broker down {KAFKA_DOWN_S:.0f} s, answers again")
+        log(f"  cycle {cycle + 1}: broker pid {pid} killed (-9), capture and merge pids {children} killed "
+            f"{CHILDREN_KILLED_AFTER_S:.0f} s later, broker down {time.monotonic() - down_at:.0f} s, answers again")
         wait_running(conf)
     return ended
 
@@ -246,13 +250,20 @@ def case_kill_cycles(ctx: dict, cycles: int, log) -> float:
         log(f"  service.max_restarts={2 * cycles} for {cycles} kills of each service")
     for cycle in range(cycles):
         for name in SERVICES:
-            time.sleep(rng.uniform(1, 8))
+            time.sleep(rng.uniform(1, 4))  # the 2 s trigger: sometimes mid-batch, sometimes between batches
             log(f"  cycle {cycle + 1}: {name} pid {kill_child(conf, name)} killed (-9)")
         ended = time.monotonic()
         wait_running(conf)
     if cycles >= budget:
         restart_services(conf, conf)
     return ended
+
+
+def streaming(conf: dict, events: int, timeout_s: float = 120.0) -> None:
+    """Wait until the capture has sent `events` more events than it had when asked (its metrics record)."""
+    count = lambda: int((metrics.latest(conf, "capture") or {}).get("events") or 0)  # noqa: E731
+    start = count()
+    bench_env.wait_for(lambda: count() >= start + events, timeout_s, f"{events} more captured events", poll_s=0.5)
 
 
 def restart_services(conf: dict, new: dict) -> None:
@@ -430,11 +441,11 @@ def run_case(name: str, cycles: int, ctx: dict, log=print) -> dict:
     stop_watch, gave_before = watch_keepers(conf), give_ups(conf)
     row = {"case": name, "cycles": cycles, "exact": False}
     try:
-        time.sleep(6)  # the load streams before the fault
+        streaming(conf, 20)  # the load streams before the fault
         fault_ended = inject(ctx, cycles, log)
         wait_running(conf, datetime.fromtimestamp(time.time() - (time.monotonic() - fault_ended), timezone.utc))
         row["running_s"] = time.monotonic() - fault_ended
-        time.sleep(5)  # some load after the recovery, then quiet
+        streaming(conf, 20)  # some load after the recovery, then quiet
         row["load"] = stop_load()
         monitor.wait_until_caught_up(conf, timeout_s=900)
         row["caught_up_s"] = time.monotonic() - fault_ended

@@ -123,6 +123,7 @@ DEFAULTS: dict[str, object] = {
     "service.max_restarts": 5,
     "service.restart_window_s": 600.0,
     "service.restart_backoff_s": 2.0,
+    "service.outage_probe_max_s": 10.0,  # while a dependency is down, it is asked again at most this often
     "service.stop_grace_s": 45.0,  # how long the merge waits for a running micro-batch before stopping
     "monitor.warn_retained_wal_bytes": 1 << 30,
     "masking": {},
@@ -134,6 +135,8 @@ DEFAULTS: dict[str, object] = {
     "spark.settings": {},
     "spark.local_metastore": False,  # true: Hive metastore and warehouse under lake.root (lib/spark.py)
     "spark.log_levels": {},  # logger -> level for the local driver (lib/spark.py); WARN for the rest
+    "spark.class_archive_dir": None,  # the local driver's class-data archives (lib/spark.py class_archive)
+    "spark.driver_java_options": "",  # more Java options for the local driver (the tests ask for C1 only)
 }
 
 

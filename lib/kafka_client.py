@@ -145,13 +145,20 @@ def check(conf: dict, timeout_s: float = 15.0):
     """The cluster's metadata (topics), read once; a refusal raises KafkaAccessError naming setting and remedy."""
     errors: list[KafkaError] = []
     client = admin(conf, error_cb=errors.append, **{"socket.connection.setup.timeout.ms": int(timeout_s * 1000)})
-    try:
-        metadata = client.list_topics(timeout=timeout_s)
-    except KafkaException as exc:
-        client.poll(1.0)  # the reason (login, TLS) reaches error_cb only when the client is polled
-        refused = _refusals(errors)
-        kind = KafkaAccessError if refused else KafkaUnreachableError
-        raise kind(explain(conf, refused or [*errors, exc.args[0]])) from exc
+    deadline = time.monotonic() + timeout_s
+    while True:  # short asks, so a refusal (login, TLS) is named as soon as it arrives, not after timeout_s
+        try:
+            metadata = client.list_topics(timeout=max(0.1, min(0.5, deadline - time.monotonic())))
+            break
+        except KafkaException as exc:
+            client.poll(0.1)  # the reason (login, TLS) reaches error_cb only when the client is polled
+            refused = _refusals(errors)
+            if refused or time.monotonic() >= deadline:
+                if not refused:
+                    client.poll(1.0)
+                    refused = _refusals(errors)
+                kind = KafkaAccessError if refused else KafkaUnreachableError
+                raise kind(explain(conf, refused or [*errors, exc.args[0]])) from exc
     client.poll(0)
     if _refusals(errors):
         raise KafkaAccessError(explain(conf, _refusals(errors)))

@@ -11,6 +11,7 @@ import glob
 import hashlib
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -148,6 +149,35 @@ def with_lake_metastore(conf: dict) -> dict:
     return with_metastore(conf, f"{root}/_metastore", warehouse)
 
 
+def java_binary() -> str | None:
+    """The java spark-submit starts: $JAVA_HOME/bin/java, else the one on PATH (resolved), or None."""
+    home = os.environ.get("JAVA_HOME")
+    found = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    return os.path.realpath(found) if found and os.path.exists(found) else None
+
+
+def class_archive(folder: str) -> str:
+    """Path of the class-data archive for this Java and pyspark (a new one for another Java or Spark)."""
+    import pyspark
+
+    key = f"{java_binary()}|{pyspark.__version__}|{os.path.dirname(pyspark.__file__)}"
+    return os.path.join(folder, f"spark-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.jsa")
+
+
+def with_java_options(settings: dict[str, str], archive_dir: str | None, extra: str) -> dict[str, str]:
+    """settings whose driver starts from the class-data archive when one was made (make install does), plus extra.
+
+    The archive (Java's dynamic CDS, -XX:SharedArchiveFile) holds Spark's classes already parsed and
+    verified: a local driver starts with about a third less CPU. Without it the driver starts as usual.
+    """
+    options = [str(settings.get(JAVA_OPTIONS_KEY, "")).strip()]
+    if archive_dir and os.path.isfile(class_archive(config.location(archive_dir))):
+        options.append(f"-XX:SharedArchiveFile={class_archive(config.location(archive_dir))} -Xshare:auto")
+    options.append(str(extra or "").strip())
+    joined = " ".join(o for o in options if o)
+    return {**settings, JAVA_OPTIONS_KEY: joined} if joined else settings
+
+
 def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     """The session a target's conf describes (spark.app_name, spark.jars_dir, spark.settings).
 
@@ -164,6 +194,8 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
         os.makedirs(home.group(1), exist_ok=True)  # derby.log goes there
     if not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         settings = with_log_levels(settings, config.get(conf, "spark.log_levels"))
+        settings = with_java_options(settings, config.get(conf, "spark.class_archive_dir"),
+                                     config.get(conf, "spark.driver_java_options"))
     jars_dir = config.get(conf, "spark.jars_dir")
     return session(config.get(conf, "spark.app_name"),
                    config.location(jars_dir) if jars_dir else None, settings)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import psycopg2
@@ -16,6 +18,42 @@ from lib.capture import bootstrap
 from lib.capture.pgoutput import str_to_lsn
 from lib.local import sample_db, stack
 from lib.operate import teardown
+
+# Spark drivers the tests start (this process's, the notebooks' kernels, the services) compile with C1 only:
+# a test's driver lives minutes, so the optimizing compiler's CPU never pays back (docs/testing.md)
+os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1")
+# the continuous merge the tests start (notebook 04's continuous section among them) triggers every 2 s, not 10
+os.environ.setdefault("CDC__SERVICE__MERGE_INTERVAL", "2 seconds")
+
+
+# make test's two workers start with the longest modules, so neither waits alone for one at the end
+FIRST = ["notebooks", "test_own_database", "test_faults", "test_pg_versions", "test_incremental", "test_service",
+         "test_debezium_interop", "test_views_persist"]
+
+
+def _scope(path) -> str:
+    """What stays on one worker: a test module, or all the notebooks (they run in order on one pipeline)."""
+    return "notebooks" if str(path).endswith(".ipynb") else Path(str(path)).stem
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the live stack, and every notebook, is marked stack; the longest modules go first."""
+    for item in items:
+        if item.path.suffix == ".ipynb" or "live_stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.stack)
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(_scope(item.path), len(FIRST)))  # stable: order inside a module kept
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist (make test: -n 2) keeps each module, and the notebooks together, on one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid.split("::", 1)[0])
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -179,7 +179,7 @@ def wait_for_key(conf: dict, table: str, key: dict, timeout: float = 120.0) -> N
     previous = None
     while previous != (current := end_offsets(servers, names)):
         previous = current
-        time.sleep(3)
+        time.sleep(1.5)  # the key's event was the phase's last change: what follows is already on its way
 
 
 def end_offsets(servers: str, names: list[str]) -> dict:

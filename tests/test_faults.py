@@ -39,8 +39,10 @@ def assert_case(row: dict) -> None:
     assert row["exact"], fault_matrix.line(row)
 
 
+@pytest.mark.serial  # kills the stack's broker
 def test_kafka_killed_while_writing_keepers_wait_then_exact(matrix, monkeypatch):
-    monkeypatch.setattr(fault_matrix, "KAFKA_DOWN_S", 20.0)
+    monkeypatch.setattr(fault_matrix, "KAFKA_DOWN_S", 8.0)  # and until both keepers wait for it
+    monkeypatch.setattr(fault_matrix, "CHILDREN_KILLED_AFTER_S", 3.0)
     row = fault_matrix.run_case("kafka_kill", 1, matrix, log=lambda line: None)
     kafka = config.get(matrix["conf"], "kafka.bootstrap_servers")
     for name in ("capture", "merge"):

@@ -23,13 +23,14 @@ ADDED = "bank.transactions"
 
 @pytest.fixture(scope="module")
 def incr(live_stack, run_id, drop_slot, tmp_path_factory):
-    """conf (all sample tables but bank.transactions) on a database of its own, bootstrapped and snapshotted."""
+    """conf (three sample tables, not bank.transactions) on a database of its own, bootstrapped and snapshotted."""
     database = f"cdc_incr_{run_id}"
     admin = source.connect(live_stack, admin=True, dbname="postgres")
     admin.autocommit = True
     with admin.cursor() as cur:
         cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
-    tables = [t for t in config.get(live_stack, "source.tables") if t != ADDED]
+    # three tables the workload writes besides the one added: the merge and reconcile stay small
+    tables = ["bank.customers", "bank.accounts", "bank.account_holders"]
     overrides = {
         "CDC__SOURCE__DATABASE": database,
         "CDC__SOURCE__SLOT": f"incr_{run_id}",
@@ -104,12 +105,24 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
         incr, until="forever", stop_event=stop, heartbeat_s=1, metrics_interval_s=1, log=lines.append)))
     thread.start()
     writer = source.connect(incr, admin=True)
-    written: dict = {}
-    load = threading.Thread(target=lambda: written.update(workload.run(writer, rate=40, duration=25, seed=5)))
+    written: dict = {"inserts": {}}
+    enough = threading.Event()  # set once the added table's snapshot is complete: the writes may end
+
+    def write():  # 2 s runs at 40 tx/s, before, during and after the table's chunks, until told to stop
+        for seed in range(5, 1000):
+            for table, n in workload.run(writer, rate=40, duration=2, seed=seed)["inserts"].items():
+                written["inserts"][table] = written["inserts"].get(table, 0) + n
+            if enough.is_set():
+                break
+
+    load = threading.Thread(target=write)
     load.start()
     state = None
     try:
-        time.sleep(3)
+        wait_until = time.monotonic() + 30  # the capture streams the workload's changes before the table is added
+        while not any(line.startswith("stream ") for line in lines) and time.monotonic() < wait_until:
+            time.sleep(0.2)
+        time.sleep(1)
         added = with_added(incr)
         record = tables.add_table(added, ADDED, log=lines.append)
         assert record["state"] == "ready" and record["key_columns"] == ["transaction_id"]
@@ -120,6 +133,7 @@ def test_table_added_while_streaming_and_writing_reconciles_exactly(incr, spark_
                 break
             time.sleep(1)
     finally:
+        enough.set()
         load.join()
         writer.close()
         stop.set()

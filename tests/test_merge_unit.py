@@ -488,6 +488,7 @@ class _Watching:
             raise
 
 
+@pytest.mark.serial  # frames the id the registry gives next: nothing else may register meanwhile
 def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf, spark_session):
     conf = config.apply_overrides(unit_conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "fail",
                                               "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "20"})
@@ -525,6 +526,7 @@ def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(uni
     assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
 
 
+@pytest.mark.serial  # frames the id the registry gives next: nothing else may register meanwhile
 def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, spark_session):
     conf = config.apply_overrides(unit_conf, {"CDC__LAKE__ROOT": str(Path(config.get(unit_conf, "lake.root"))
                                                                      / f"replay-{uuid.uuid4().hex[:6]}")})

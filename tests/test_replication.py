@@ -152,8 +152,9 @@ def test_stream_confirms_only_what_was_acknowledged_and_the_server_resends_the_r
 
 
 def test_capture_never_confirms_a_transaction_kafka_has_not_acknowledged(hazard):
-    """The capture with a slow Kafka (8 s linger): the slot passes T2b only once T2b's event is in Kafka."""
-    conf = config.apply_overrides(hazard.conf, {"CDC__KAFKA__PRODUCER": "{linger.ms: 8000}"})
+    """The capture with a slow Kafka (3 s linger, three of the capture's 1 s feedbacks): the slot passes T2b only once
+    T2b's event is in Kafka."""
+    conf = config.apply_overrides(hazard.conf, {"CDC__KAFKA__PRODUCER": "{linger.ms: 3000}"})
     schema, stop, failures = hazard.schema, threading.Event(), []
     table = catalog.describe_tables(hazard.admin, [f"{schema}.items"])[f"{schema}.items"]
     topic = avro_schemas.topic_name(config.get(conf, "kafka.topic_prefix"), table)

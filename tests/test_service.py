@@ -155,21 +155,30 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     wait_for(lambda: metrics.latest(conf, "capture"), 30, "a capture metrics record")
     assert control.running_service(conf, "capture") and control.running_service(conf, "merge")  # notebooks refuse
 
-    writes: dict = {}
+    writes: dict = {"transactions": 0}
     conn = source.connect(conf, admin=True)
     source_audit.start(conf)  # every committed change from here on, recorded beside the pipeline
+    enough = threading.Event()  # set once the keepers were killed and started again: the writes may end
 
     def write():
-        try:
-            writes.update(workload.run(conn, rate=10, duration=40, seed=5))
+        try:  # 3 s runs at 10 tx/s until the crashes are over and more than 100 transactions were written
+            for seed in range(5, 1000):
+                writes["transactions"] += workload.run(conn, rate=10, duration=3, seed=seed)["transactions"]
+                if enough.is_set() and writes["transactions"] > 100:
+                    break
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             writes["error"] = exc
 
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     try:
-        wait_for(lambda: (metrics.latest(conf, "capture") or {}).get("events"), 30, "streamed events")
-        time.sleep(8)  # some of the workload captured and in the merge's hands, more to come
+        before = int((metrics.latest(conf, "capture") or {}).get("events") or 0)
+        merged = int((metrics.latest(conf, "merge") or {}).get("batches") or 0)
+        # some of the workload captured and in the merge's hands, more to come
+        wait_for(lambda: int((metrics.latest(conf, "capture") or {}).get("events") or 0) > before + 50, 60,
+                 "streamed events")
+        wait_for(lambda: int((metrics.latest(conf, "merge") or {}).get("batches") or 0) > merged, 60,
+                 "a merge batch after the writes began")
         with pytest.raises(teardown.TeardownError, match="still run: stop them first"):
             teardown.run(conf, confirm=True)
         children = {name: keeper.state(conf, name)["child"] for name in first}
@@ -197,6 +206,7 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
         assert sum("was not stopped cleanly" in line for line in lines) == 1, lines
         assert any(line.startswith("merge     already running") for line in lines), lines
     finally:
+        enough.set()
         writer.join(120)
         conn.close()
     assert "error" not in writes and writes["transactions"] > 100, writes

@@ -118,6 +118,7 @@ def test_avro_message_round_trips_through_kafka_and_the_registry(live_stack, reg
     registry_client.delete_subject(f"{topic}-value", permanent=False)
 
 
+@pytest.mark.serial  # restarts the stack's registry
 def test_registry_keeps_schemas_across_a_restart(live_stack, registry_client, run_id):
     subject = f"cdc-test-{run_id}-restart-value"
     schema_id = registry_client.register_schema(subject, Schema(ACCOUNT_SCHEMA, "AVRO"))

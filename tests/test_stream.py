@@ -432,7 +432,7 @@ def test_kill_9_at_random_points_loses_nothing(cdc):
                 if line.startswith("stream    slot") or time.monotonic() - started > 30:
                     break
             assert capture.poll() is None, f"capture exited early: {capture.stderr.read()}"
-            time.sleep(rng.uniform(1, 4))
+            time.sleep(rng.uniform(0.5, 2.5))
             capture.send_signal(signal.SIGKILL)
             capture.wait(10)
             capture.stderr.close()

@@ -102,10 +102,11 @@ def _last_error_line(log_file: Path, keeper_lines: bool = True) -> str | None:
 
 
 def restart_policy(conf: dict) -> dict:
-    """service.max_restarts, restart_window_s and restart_backoff_s (with defaults)."""
+    """service.max_restarts, restart_window_s, restart_backoff_s and outage_probe_max_s (with defaults)."""
     return {"max_restarts": int(config.get(conf, "service.max_restarts")),
             "window_s": float(config.get(conf, "service.restart_window_s")),
-            "backoff_s": float(config.get(conf, "service.restart_backoff_s"))}
+            "backoff_s": float(config.get(conf, "service.restart_backoff_s")),
+            "probe_max_s": float(config.get(conf, "service.outage_probe_max_s"))}
 
 
 def load_conf(target: str | None, conf_file: str | None) -> dict:
@@ -272,7 +273,7 @@ def _wait_for(conf: dict, name: str, down: str, paths: dict, stopping, policy: d
         if still != down:
             down = still
             _write_keeper_record(paths["keeper"], {**record, "waiting_for": down, "waiting_since": since})
-        delay = min(delay * 2, MAX_BACKOFF_S)
+        delay = min(delay * 2, policy["probe_max_s"])
     return False
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from lib import config, secrets
-from lib.local.stack import fetch, kafka, pg_versions, postgres, process, registry, tls
+from lib.local.stack import fetch, kafka, pg_versions, postgres, process, registry, spark_cds, tls
 from lib.local.stack.process import StackError
 
 __all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
@@ -28,8 +28,9 @@ def stack_dir(conf: dict) -> Path:
 
 
 def fetch_all(conf: dict, log=print) -> None:
-    """Download (or find in the cache) everything the stack and Spark need."""
+    """Download (or find in the cache) everything the stack and Spark need; the driver's class-data archive."""
     fetch.fetch_all(stack_dir(conf), log=log)
+    spark_cds.ensure(conf, log=log)
 
 
 def env_references(node) -> list[str]:
@@ -62,9 +63,14 @@ def ensure_local_secrets(conf: dict, environ=None, path: Path | None = None, log
 
 
 def up(conf: dict, log=print) -> None:
-    """Start every service (reusing what runs) and wait until each answers."""
-    began = time.monotonic()
+    """Start every service (reusing what runs) and wait until each answers; one process at a time (a file lock)."""
     folder = stack_dir(conf)
+    with process.stack_lock(folder):  # two test workers, or two make commands, start it at once
+        _up(conf, folder, log)
+
+
+def _up(conf: dict, folder: Path, log) -> None:
+    began = time.monotonic()
     fetch.fetch_all(folder, log=lambda line: None if "cached" in line else log(line))
     ensure_local_secrets(conf, log=log)
     if tls.ensure(folder, log=log) and process.port_in_use(*registry.https_endpoint(conf)[:2]):

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from lib import config
-from lib.local.stack import fetch, postgres
+from lib.local.stack import fetch, postgres, process
 from lib.local.stack.process import StackError
 
 ARTIFACT = "io.zonky.test.postgres:embedded-postgres-binaries-{platform}:{version}"
@@ -111,12 +111,13 @@ def up(conf: dict, wanted=None, log=print) -> dict[int, dict]:
     """Start the servers of the majors asked for (all by default); major -> its conf."""
     folder = postgres_stack_dir(conf)
     started = {}
-    for major in majors(conf, wanted):
-        server_conf = conf_for(conf, major)
-        ensure_binaries(server_conf, log=log)
-        postgres.start(server_conf, folder, log=lambda line, major=major: log(line.replace(
-            "postgres ", f"postgres-{major}", 1)))
-        started[major] = server_conf
+    with process.stack_lock(folder):  # two test workers may ask for the same server at once
+        for major in majors(conf, wanted):
+            server_conf = conf_for(conf, major)
+            ensure_binaries(server_conf, log=log)
+            postgres.start(server_conf, folder, log=lambda line, major=major: log(line.replace(
+                "postgres ", f"postgres-{major}", 1)))
+            started[major] = server_conf
     return started
 
 

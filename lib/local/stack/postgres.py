@@ -156,8 +156,8 @@ def server_options(conf: dict, where: dict[str, Path]) -> str:
         "listen_addresses": config.get(conf, "source.host"),
         "unix_socket_directories": where["socket"],
         "wal_level": "logical",
-        "max_replication_slots": 20,
-        "max_wal_senders": 20,
+        "max_replication_slots": 40,  # make test runs two workers, each with its own slots
+        "max_wal_senders": 40,
         "max_slot_wal_keep_size": config.get(conf, "stack.postgres.max_slot_wal_keep_size"),
         "fsync": fsync,
         # TLS for clients that ask (sslmode=require/verify-full); pg_hba's host lines take plain TCP too

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import socket
 import time
 from pathlib import Path
@@ -115,3 +117,12 @@ def console_log4j2(root_level: str, loggers: dict[str, str]) -> str:
     from lib import spark
 
     return spark.log4j2_properties(root_level, loggers, "[%d] %p %m (%c)%n", "SYSTEM_OUT")
+
+
+@contextlib.contextmanager
+def stack_lock(stack_dir: Path):
+    """Held while a process starts services of the stack: another one waits (roles and files are set up once)."""
+    (stack_dir / "run").mkdir(parents=True, exist_ok=True)
+    with open(stack_dir / "run" / "up.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
