@@ -405,7 +405,7 @@ def bronze_offsets(conf: dict, spark) -> list[str]:
     specs = lake_paths.table_specs(conf)
     ends, problems = monitor.end_offsets(conf, [s.topic for s in specs]), []
     for spec in specs:
-        bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec))
+        bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf))
         have = {int(r["_kafka_partition"]): r for r in bronze.filter(F.col("_kafka_topic") == spec.topic).groupBy(
             "_kafka_partition").agg(F.count(F.lit(1)).alias("n"), F.countDistinct("_kafka_offset").alias("d"),
                                     F.min("_kafka_offset").alias("lo"), F.max("_kafka_offset").alias("hi")).collect()}

@@ -106,6 +106,10 @@ DEFAULTS: dict[str, object] = {
     "snapshot.jdbc_options": {},
     "snapshot.kafka_options": {},
     "merge.max_offsets_per_trigger": 1_000_000,
+    # silver's cadence (lib/lake/silver_step.py): the fresh view answers "now" meanwhile (docs/merge.md)
+    "merge.silver_interval_s": 30.0,
+    "merge.silver_pending_events": 200_000,  # a step sooner once the bronze query logged this many events
+    "merge.compact_interval_minutes": 10,  # OPTIMIZE of the bronze log (one small file per trigger otherwise)
     "merge.parallelism": 4,  # a micro-batch's Delta writes run side by side
     "merge.tombstone_retention_hours": 168,
     "merge.cleanup_interval_minutes": 60,

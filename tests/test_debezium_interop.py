@@ -239,7 +239,7 @@ def test_debezium_topics_merge_into_exact_silver(dbz, spark_session):
     assert accounts[1]["note"] is not None and accounts[1]["_unknown_cols"] is None  # TOAST kept from the snapshot
     assert accounts[20]["_event_serial"] == -1 and accounts[1]["_event_serial"] > 0  # snapshot row vs stream
 
-    bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, lake_paths.table_specs(conf)[0]))
+    bronze = browse.bronze(conf, spark, lake_paths.table_specs(conf)[0].qualified)
     toasted = [r for r in bronze.filter("op = 'u' AND key.id = 1").collect() if r["unchanged_cols"]]
     assert toasted and set(toasted[-1]["unchanged_cols"]) >= {"note", "doc"}, "no TOAST placeholder reached bronze"
     snapshot = bronze.filter("op = 'r'").select("source.commit_lsn", "source.event_serial").distinct().collect()

@@ -8,9 +8,11 @@ import hashlib
 import secrets as random_secrets
 from decimal import Decimal
 
+import bronze_rows
 import pytest
 from pyspark.sql import types as T
 
+from lib.lake import lake_paths
 from lib.views import masking
 
 SALT_ENV = "CDC_TEST_MASKING_SALT"
@@ -149,7 +151,7 @@ def built(spark_session, conf, run_id, tmp_path_factory):
     salt_a = "salt-a-" + random_secrets.token_hex(16)
     salt_b = "salt-b-" + random_secrets.token_hex(16)
     silver = masking.lake_path(test_conf, "silver", TABLE)
-    bronze = masking.lake_path(test_conf, "bronze", TABLE)
+    bronze = lake_paths.bronze_path(test_conf)
     c1_old = customer(1, "Zorblatt", "old.canary.zq82@example.net")
     c1 = customer(1, "Zorblatt", "canary.zq81@example.com")
     c2 = customer(2, "Deletedina", "deleted.canary.zq83@example.org")
@@ -157,13 +159,14 @@ def built(spark_session, conf, run_id, tmp_path_factory):
     meta_deleted = (2001, 0, "d", True, T0, T0)
     spark.createDataFrame([(*c1, *meta_live), (*c2, *meta_deleted)], silver_schema(False)) \
         .write.format("delta").save(silver)
-    spark.createDataFrame([
+    spark.sql(f"ALTER TABLE delta.`{silver}` SET TBLPROPERTIES ('cdc.key' = 'customer_id')")  # as the merge sets it
+    bronze_rows.append(spark.createDataFrame([
         event("r", None, c1_old, 500, -1, 0, 0),
         event("c", None, c2, 501, 0, 1, 1),
         event("u", c1_old, c1, 502, 0, 2, 2),    # REPLICA IDENTITY FULL: before carries the old email
         event("d", c2, None, 503, 0, 3, 3),      # full before of the deleted row
         ((2,), None, None, None, None, None, "cdc.bank.bank.customers", 0, 4, T0, 4),  # tombstone
-    ], bronze_schema(False)).write.format("delta").save(bronze)
+    ], bronze_schema(False)), TABLE, bronze, 0)
 
     out = {"spark": spark, "conf": test_conf, "policy": policy, "salt_a": salt_a, "salt_b": salt_b,
            "database": database, "private": private, "view_text": []}
@@ -175,8 +178,8 @@ def built(spark_session, conf, run_id, tmp_path_factory):
         c3 = customer(3, "Zorblatt", "canary.zq81@example.com", passport="PASSPORT-CANARY-778", evolved=True)
         spark.createDataFrame([(*c3, 2002, 0, "c", False, None, T0)], silver_schema(True)) \
             .write.format("delta").mode("append").option("mergeSchema", "true").save(silver)
-        spark.createDataFrame([event("c", None, c3, 504, 0, 5, 4)], bronze_schema(True)) \
-            .write.format("delta").mode("append").option("mergeSchema", "true").save(bronze)
+        bronze_rows.append(spark.createDataFrame([event("c", None, c3, 504, 0, 5, 4)], bronze_schema(True)), TABLE,
+                           bronze, 1)
         out["build2"] = masking.create_views(test_conf, spark, policy, tables=[TABLE, "bank.accounts"])
         for kind in ("clean", "full", "history", "scd2", "fresh"):
             out[kind] = texts(spark, f"{private if kind == 'full' else database}.customers_{kind}")
@@ -342,8 +345,9 @@ def test_view_names_and_quoting():
     assert masking.quote_name("main.cdc`x.t") == "`main`.`cdc``x`.`t`"
     conf = {"lake": {"root": "/lake"}}
     assert masking.source_ref(conf, {}, "silver", TABLE) == "delta.`/lake/silver/bank/customers`"
-    assert masking.source_ref(conf, {"bronze_table": "main.cdc.bronze_{schema}_{table}"}, "bronze", TABLE) == \
-        "`main`.`cdc`.`bronze_bank_customers`"
+    assert masking.source_ref(conf, {}, "bronze", TABLE) == "delta.`/lake/bronze/_log`"  # one log, every table
+    assert masking.source_ref(conf, {"bronze_table": "main.cdc.bronze_log"}, "bronze", TABLE) == \
+        "`main`.`cdc`.`bronze_log`"
 
 
 def test_the_analysts_schema_holds_masked_views_only(built):

@@ -1,22 +1,23 @@
-"""The merge's micro-batch function on synthetic Confluent frames (no Kafka for the data; live registry ids).
+"""The merge's bronze step (micro-batch function) and silver step on synthetic Confluent frames (no Kafka for the
+data; live registry ids). Each micro-batch is followed by a silver step, as a catch-up ends with one.
 
 One module fixture runs three micro-batches over three small tables and the tests check what each
-scenario left in bronze, silver and the dead-letter table:
+scenario left in the bronze log, silver and the dead-letter table:
 
 - batch 0: snapshot + out-of-order updates, duplicates, TOAST-unchanged columns, delete before any
   insert, delete + tombstone, a primary key change, two writer schema ids of one table, poison of
   every kind next to good rows;
 - batch 1: late older events, TOAST keeps the stored value, a lone tombstone, a reverted schema,
   a truncate from the control topic;
-- batch 1 again with the same id (a retried batch): Delta skips the bronze and dead-letter appends, and
-  the silver MERGEs change no row.
+- batch 1 again with the same id (a retried batch): the bronze log and dead-letter appends are skipped, and
+  the silver step finds nothing to apply;
+- the silver step of batch 1 repeated (as after a crash between its MERGE and the record of it): no row changes.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import logging
 import threading
 import time
 import uuid
@@ -34,7 +35,7 @@ from pyspark.sql import types as T
 from lib import config, control, schema_registry
 from lib.capture import avro_schemas, events
 from lib.capture.catalog import Column, PgType, Table
-from lib.lake import browse, lake_paths, merge, micro_batch, silver_table, writer_schemas
+from lib.lake import browse, lake_paths, merge, micro_batch, silver_step, silver_table, writer_schemas
 
 pytestmark = pytest.mark.stack
 
@@ -213,53 +214,35 @@ def run(unit_conf, spark_session):
     batch1 = [row for topic, messages in batch1_messages.items() for row in feed.rows(topic, messages)]
 
     app_id = f"unit-{uuid.uuid4().hex[:6]}"
-    ctx = micro_batch.context(conf, query="unit", app_id=app_id)
+    ctx, prog = micro_batch.context(conf, query="unit", app_id=app_id), silver_step.progress(conf)
     frame = lambda rows: spark.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
     stats = [micro_batch.process_batch(frame(batch0), 0, ctx)]
+    seq_after_0 = silver_step.run(conf, spark, prog)["seq"]
     items_after_0 = _rows(spark, conf, "items")
     control.put(conf, "truncate/unit.trunc", {"commit_lsn": 20, "event_serial": 0, "ts_ms": NOW_MS})
     stats.append(micro_batch.process_batch(frame(batch1), 1, ctx))
+    steps = [silver_step.run(conf, spark, prog)]
     versions_after_1, silver_after_1 = _versions(spark, conf), _silver_rows(spark, conf)
-    # the same batch again in a new context, as after a crash: the bronze commits are found by their batch id
+    # the same batch again in a new context, as after a crash: the log commit is found by its batch id
     stats.append(micro_batch.process_batch(frame(batch1), 1, micro_batch.context(conf, query="unit", app_id=app_id)))
+    steps.append(silver_step.run(conf, spark))  # a new process: what silver applied is read from its commits
     versions_after_retry, silver_after_retry = _versions(spark, conf), _silver_rows(spark, conf)
-    # once more with Delta told not to materialize MERGE sources: it then refuses our cached source
-    # (DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION) and the merge runs the MERGE again on a checkpointed copy
-    warnings = _Collect()
-    logging.getLogger("lib.lake").addHandler(warnings)
-    spark.conf.set("spark.databricks.delta.merge.materializeSource", "none")
-    try:
-        ctx = micro_batch.context(conf, query="unit", app_id=app_id)
-        stats.append(micro_batch.process_batch(frame(batch1), 1, ctx))
-    finally:
-        spark.conf.unset("spark.databricks.delta.merge.materializeSource")
-        logging.getLogger("lib.lake").removeHandler(warnings)
-    return {"conf": conf, "spark": spark, "stats": stats, "versions_after_1": versions_after_1,
+    # batch 1's silver step again, as after a crash before its record: no row changes
+    again = silver_step.progress(conf)
+    again.applied = {spec.qualified: seq_after_0 for spec in lake_paths.table_specs(conf)}
+    steps.append(silver_step.run(conf, spark, again))
+    return {"conf": conf, "spark": spark, "stats": stats, "steps": steps, "versions_after_1": versions_after_1,
             "versions_after_retry": versions_after_retry, "silver_after_1": silver_after_1,
-            "silver_after_retry": silver_after_retry, "silver_after_refused": _silver_rows(spark, conf),
-            "refused": [r.getMessage() for r in warnings.records], "items_id": items.value_id,
+            "silver_after_retry": silver_after_retry, "silver_after_repeat": _silver_rows(spark, conf),
+            "items_id": items.value_id,
             "items_after_0": items_after_0}
-
-
-class _Collect(logging.Handler):
-    """Keeps the log records it is given."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 def _versions(spark, conf) -> dict:
     """Latest Delta version of every bronze and silver table and the dead-letter table."""
-    from delta.tables import DeltaTable
-
-    paths = [lake_paths.dead_letter_path(conf)] + [
-        p for spec in lake_paths.table_specs(conf) for p in (lake_paths.bronze_path(conf, spec),
-                                                             lake_paths.silver_path(conf, spec))]
-    return {p: DeltaTable.forPath(spark, p).history(1).collect()[0]["version"] for p in paths}
+    paths = [lake_paths.dead_letter_path(conf), lake_paths.bronze_path(conf)] + [
+        lake_paths.silver_path(conf, spec) for spec in lake_paths.table_specs(conf)]
+    return {p: spark.sql(f"DESCRIBE HISTORY delta.`{p}` LIMIT 1").collect()[0]["version"] for p in paths}
 
 
 def _silver_rows(spark, conf) -> dict:
@@ -357,14 +340,20 @@ def test_poison_goes_to_the_dead_letter_table_and_good_rows_still_merge(run, ite
 def test_a_retried_batch_appends_nothing_and_changes_no_silver_row(run):
     counted = [{t: (c["events"], c["tombstones"]) for t, c in run["stats"][i]["tables"].items()} for i in (1, 2)]
     assert counted[0] == counted[1]  # it was processed again...
-    appends = [p for p in run["versions_after_1"] if "/silver/" not in p]
-    assert len(appends) == 4
-    assert {p: run["versions_after_retry"][p] for p in appends} == {p: run["versions_after_1"][p] for p in appends}
-    assert run["silver_after_retry"] == run["silver_after_1"]  # ...the MERGEs ran again and changed nothing
+    assert run["versions_after_retry"] == run["versions_after_1"]  # ...nothing was appended, no MERGE committed
+    assert run["steps"][1]["tables"] == {}  # the new process's silver step found nothing left to apply
+    assert run["silver_after_retry"] == run["silver_after_1"]
     assert sum(len(rows) for rows in run["silver_after_1"].values()) > 10
     first = lake_paths.table_specs(run["conf"])[0]
-    bronze = run["spark"].read.format("delta").load(lake_paths.bronze_path(run["conf"], first))
+    bronze = run["spark"].read.format("delta").load(lake_paths.bronze_path(run["conf"])) \
+        .filter(f"_kafka_topic = '{first.topic}'")
     assert bronze.count() == bronze.select("_kafka_partition", "_kafka_offset").distinct().count() == 13 + 1 + 6
+
+
+def test_a_silver_step_repeated_after_a_crash_changes_no_row(run):
+    repeated = run["steps"][2]["tables"]
+    assert set(repeated) == {"unit.items", "unit.evolve", "unit.trunc"} and repeated["unit.items"]["events"] == 6
+    assert run["silver_after_repeat"] == run["silver_after_1"]
 
 
 def test_summary_and_cleanup_of_old_tombstones(run):
@@ -389,33 +378,6 @@ def test_key_history_lists_one_keys_events_in_arrival_order_with_positions(run):
         browse.key_history(run["conf"], run["spark"], "unit.items", {"name": "x"})
 
 
-def test_a_batchs_writes_run_side_by_side_with_the_querys_job_group_and_every_one_finishes(run):
-    sc = run["spark"].sparkContext
-    sc.setJobGroup("unit-query-run", "a streaming query's run id")
-    seen, started = [], []
-
-    def record():
-        started.append(1)
-        time.sleep(0.2)
-        seen.append(sc.getLocalProperty("spark.jobGroup.id"))
-
-    def fail():
-        raise RuntimeError("simulated failure of one table's MERGE")
-
-    try:
-        with pytest.raises(RuntimeError, match="simulated failure of one table's MERGE"):
-            micro_batch._run_all([fail, record, record, record], 4, run["spark"])
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    assert seen == ["unit-query-run"] * 3  # the other writes finished before the error was raised
-
-
-def test_a_merge_delta_refuses_for_its_cached_source_runs_again_on_a_checkpointed_copy(run):
-    refused = [m for m in run["refused"] if "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION" in m]
-    assert refused and all("checkpointed copy of the source" in m for m in refused)
-    assert run["silver_after_refused"] == run["silver_after_1"]
-
-
 def test_a_replayed_tombstone_does_not_hide_a_row_inserted_again_later(unit_conf, spark_session):
     """A tombstone carries its delete's position (Kafka header): alone in a later batch it is that old delete."""
     conf, spark = unit_conf, spark_session
@@ -430,18 +392,23 @@ def test_a_replayed_tombstone_does_not_hide_a_row_inserted_again_later(unit_conf
     def tomb(key, lsn):
         return (*items.tombstone(key), [(k, v) for k, v in events.tombstone_headers(lsn, 0)])
 
-    ctx = micro_batch.context(conf, query="tombs", app_id=f"tombs-{uuid.uuid4().hex[:6]}")
-    micro_batch.process_batch(frame([(*items.event("c", 201, 1000, name="first"), None),
-                                     (*items.event("d", 201, 1010), None), tomb(201, 1010),
-                                     (*items.event("c", 201, 1020, name="again"), None),
-                                     (*items.event("c", 202, 1030, name="kept"), None)]), 0, ctx)
+    ctx, prog = micro_batch.context(conf, query="tombs", app_id=f"tombs-{uuid.uuid4().hex[:6]}"), None
+
+    def batch(frame_, batch_id):
+        micro_batch.process_batch(frame_, batch_id, ctx)
+        silver_step.run(conf, spark, prog)
+
+    prog = silver_step.progress(conf)
+    batch(frame([(*items.event("c", 201, 1000, name="first"), None), (*items.event("d", 201, 1010), None),
+                 tomb(201, 1010), (*items.event("c", 201, 1020, name="again"), None),
+                 (*items.event("c", 202, 1030, name="kept"), None)]), 0)
     # a replay: the old delete's tombstone alone, and a lone tombstone without a position (Debezium's kind)
-    micro_batch.process_batch(frame([tomb(201, 1010), (*items.tombstone(202), None)]), 1, ctx)
+    batch(frame([tomb(201, 1010), (*items.tombstone(202), None)]), 1)
     rows = _rows(spark, conf, "items")
     assert (rows[201]["name"], rows[201]["_deleted"], rows[201]["_commit_lsn"]) == ("again", False, 1020)
     assert rows[202]["_deleted"] and rows[202]["_op"] == "tombstone" and rows[202]["_commit_lsn"] == 1030
     # and a positioned tombstone newer than the row deletes it at that position
-    micro_batch.process_batch(frame([tomb(201, 1040)]), 2, ctx)
+    batch(frame([tomb(201, 1040)]), 2)
     deleted = _rows(spark, conf, "items")[201]
     assert (deleted["_deleted"], deleted["_op"], deleted["_commit_lsn"], deleted["name"]) == (True, "d", 1040, "again")
 
@@ -509,6 +476,7 @@ def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf
     stats = micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0, ctx)
     registering.join()
     assert stats["dead_letters"] == {}
+    silver_step.run(conf, spark_session)
     row = _rows(spark_session, conf, "items")[301]
     assert (row["name"], row["late_a"]) == ("late", "x")
 
@@ -523,6 +491,7 @@ def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(uni
                        r"offset 1.*unknown_schema_ids: dead_letter"):
         micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
                                   micro_batch.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
+    silver_step.run(conf, spark_session)
     assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
 
 
@@ -538,6 +507,7 @@ def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, s
                                      (items.key_bytes(322), b"\x00" + items.value_id.to_bytes(4, "big") + b"\xff")])
     micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
                               micro_batch.context(conf, query="dl", app_id=f"dl-{uuid.uuid4().hex[:6]}"))
+    silver_step.run(conf, spark_session)
     assert _rows(spark_session, conf, "items")[321]["name"] == "first"
     _register(later, registry, schema_id)
     result = merge.replay_dead_letters(conf, spark_session)
@@ -560,12 +530,14 @@ def _protocol(path: str) -> dict:
     return found
 
 
-def test_silver_and_bronze_open_in_delta_rs(run):
+def test_silver_and_the_bronze_log_open_in_delta_rs(run):
     spec = lake_paths.table_spec(run["conf"], "unit.items")
-    for path in (lake_paths.silver_path(run["conf"], spec), lake_paths.bronze_path(run["conf"], spec)):
+    for path in (lake_paths.silver_path(run["conf"], spec), lake_paths.bronze_path(run["conf"])):
         assert "typeWidening" not in _protocol(path).get("readerFeatures", []), path
-        rows = deltalake.DeltaTable(path).to_pyarrow_table().num_rows
+        rows = deltalake.DeltaTable(path).to_pyarrow_table().num_rows  # the log's VARIANT columns: as binary pairs
         assert rows == run["spark"].read.format("delta").load(path).count() > 0, path
+    silver = deltalake.DeltaTable(lake_paths.silver_path(run["conf"], spec)).to_pyarrow_table()
+    assert sorted(silver.column("id").to_pylist()) == sorted(_rows(run["spark"], run["conf"], "items"))
 
 
 def test_a_widened_column_turns_type_widening_on_and_keeps_every_value(unit_conf, spark_session, tmp_path):
@@ -578,18 +550,21 @@ def test_a_widened_column_turns_type_widening_on_and_keeps_every_value(unit_conf
     feed, ctx = Feed(), micro_batch.context(conf, query="widen", app_id=f"widen-{uuid.uuid4().hex[:6]}")
     frame = lambda rows: spark_session.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
     micro_batch.process_batch(frame(feed.rows(narrow.topic, [narrow.event("c", 1, 10, n=7)])), 0, ctx)
+    silver_step.run(conf, spark_session)
     spec = lake_paths.table_spec(conf, "unit.widen")
-    paths = (lake_paths.silver_path(conf, spec), lake_paths.bronze_path(conf, spec))
-    assert all("typeWidening" not in _protocol(p).get("readerFeatures", []) for p in paths)
+    path = lake_paths.silver_path(conf, spec)
+    assert "typeWidening" not in _protocol(path).get("readerFeatures", [])
     wide = Writer(registry, prefix, WIDEN_V2)  # the column widens at the source: a new schema version
     micro_batch.process_batch(frame(feed.rows(wide.topic, [wide.event("u", 1, 20, n=5_000_000_000),
                                                            wide.event("c", 2, 21, n=-3)])), 1, ctx)
-    silver = spark_session.read.format("delta").load(paths[0])
+    silver_step.run(conf, spark_session)
+    silver = spark_session.read.format("delta").load(path)
     assert dict(silver.dtypes)["n"] == "bigint"
     assert {r["id"]: r["n"] for r in silver.collect()} == {1: 5_000_000_000, 2: -3}
-    bronze = spark_session.read.format("delta").load(paths[1])
+    bronze = browse.bronze(conf, spark_session, "unit.widen")  # the log's variants read back as bigint
     assert sorted(r["after"]["n"] for r in bronze.collect()) == [-3, 7, 5_000_000_000]
-    assert [_protocol(p).get("readerFeatures", []) for p in paths] == [["typeWidening"]] * 2
+    assert _protocol(path).get("readerFeatures", []) == ["typeWidening"]
+    assert "typeWidening" not in _protocol(lake_paths.bronze_path(conf)).get("readerFeatures", [])
     admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
     admin.delete_topics([control.topic(conf)])[control.topic(conf)].result(30)
 

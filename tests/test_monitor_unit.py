@@ -114,9 +114,12 @@ def test_report_shows_flows_and_warnings():
           "slots": [{"slot": "s", "active": False, "active_pid": None, "lag_bytes": 2048, "lag_s": None,
                      "retained_wal_bytes": 3 << 20, "wal_status": "reserved"}],
           "tables": [{"table": "bank.customers", "events_in_per_s": 1.5, "events_out_per_s": 0.0,
-                      "kafka_messages": 10, "kafka_lag": 3, "last_merged_lsn": "0/16B3748", "dead_letters": 1}]}
+                      "kafka_messages": 10, "kafka_lag": 3, "silver_behind": 2, "last_merged_lsn": "0/16B3748",
+                      "dead_letters": 1}]}
     text = monitor.report(st)
     assert "NONE" in text and "3.0 MB" in text and "2.0 kB" in text and "0/16B3748" in text
+    header, row = [line.split() for line in text.splitlines() if line.startswith(("table ", "bank.customers"))]
+    assert header[5:9] == ["bronze", "lag", "silver", "lag"] and row[4:6] == ["3", "2"]
     assert "WARNING   slot s has no consumer attached" in text
 
 

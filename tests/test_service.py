@@ -10,7 +10,6 @@ lake root (checkpoints included) and service folder. Tests run in file order and
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import subprocess
@@ -23,7 +22,6 @@ import pytest
 import source_audit
 from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
-from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from lib import config, control, source
@@ -252,7 +250,7 @@ def bronze_changes(conf: dict, spark) -> Counter:
     """(xid, table, key as text) of every bronze event, duplicates of one source position counted once."""
     seen = Counter()
     for spec in lake_paths.table_specs(conf):
-        bronze = spark.read.format("delta").load(lake_paths.bronze_path(conf, spec)).filter(~F.col("_tombstone"))
+        bronze = browse.bronze(conf, spark, spec.qualified).filter(~F.col("_tombstone"))
         keys = [f.name for f in bronze.schema["key"].dataType.fields]
         rows = bronze.select(F.col("source.txId").alias("xid"), F.col("source.commit_lsn").alias("lsn"),
                              F.col("source.event_serial").alias("serial"),
@@ -283,10 +281,9 @@ def assert_bronze_complete(conf: dict, spark) -> None:
     none twice); nothing was dead-lettered."""
     dead = browse.dead_letter_counts(conf, spark).collect()
     assert not dead, f"dead letters: {[r.asDict() for r in dead]}"
-    frames = [spark.read.format("delta").load(lake_paths.bronze_path(conf, spec)).select(
-        F.lit(spec.qualified).alias("t"), F.struct("_kafka_topic", "_kafka_partition", "_kafka_offset").alias("at"))
-        for spec in lake_paths.table_specs(conf)]
-    rows = functools.reduce(DataFrame.unionByName, frames).groupBy("t").agg(
+    log = spark.read.format("delta").load(lake_paths.bronze_path(conf)).filter(F.col("_kafka_topic").isNotNull())
+    rows = log.select(F.col("_table").alias("t"), F.struct("_kafka_topic", "_kafka_partition", "_kafka_offset")
+                      .alias("at")).groupBy("t").agg(
         F.count(F.lit(1)).alias("n"), F.countDistinct("at").alias("distinct")).collect()
     in_bronze = {r["t"]: (r["n"], r["distinct"]) for r in rows}
     duplicated = {t: c for t, c in in_bronze.items() if c[0] != c[1]}

@@ -26,17 +26,22 @@ BRONZE_DDL = (f"key struct<customer_id:long>, op string, before {ROW}, after {RO
               "source struct<ts_ms:long,txId:long,commit_lsn:long,event_serial:long,snapshot:string>, "
               "unchanged_cols array<string>, _tombstone boolean, _kafka_offset long, _batch_id long")
 
-# First driver: silver and bronze as the merge leaves them, then the views.
+# First driver: silver and the bronze log as the merge leaves them, then the views.
 BUILD = """
 import json, sys
+sys.path.insert(0, "tests")
+import bronze_rows
 from lib import spark as spark_lib
+from lib.lake import lake_paths
 from lib.views import masking
 job = json.load(sys.stdin)
 conf, table = job["conf"], job["table"]
 session = spark_lib.from_conf(conf)
-for layer in ("silver", "bronze"):
-    frame = session.createDataFrame([tuple(row) for row in job[layer]], job[layer + "_ddl"])
-    frame.write.format("delta").save(masking.lake_path(conf, layer, table))
+silver = masking.lake_path(conf, "silver", table)
+session.createDataFrame([tuple(row) for row in job["silver"]], job["silver_ddl"]).write.format("delta").save(silver)
+session.sql(f"ALTER TABLE delta.`{silver}` SET TBLPROPERTIES ('cdc.key' = 'customer_id')")
+bronze_rows.append(session.createDataFrame([tuple(row) for row in job["bronze"]], job["bronze_ddl"]), table,
+                   lake_paths.bronze_path(conf), 0)
 results = masking.create_views(conf, session, job["policy"], tables=[table])
 print(json.dumps({"results": results}, default=str))
 """

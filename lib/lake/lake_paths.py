@@ -14,7 +14,8 @@ class MergeError(RuntimeError):
     """The merge cannot go on: the message names the table, column or setting and the remedy."""
 
 
-META_COLUMNS = ("_commit_lsn", "_event_serial", "_op", "_deleted", "_deleted_at", "_updated_at", "_unknown_cols")
+META_COLUMNS = ("_commit_lsn", "_event_serial", "_op", "_deleted", "_deleted_at", "_updated_at", "_unknown_cols",
+                "_bronze_seq")
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ def lake_path(conf: dict, *parts: str) -> str:
     return "/".join([config.location(config.get(conf, "lake.root")).rstrip("/"), *parts])
 
 
-def bronze_path(conf: dict, spec: TableSpec) -> str:
-    """<lake.root>/bronze/<schema>/<table> (catalog.path_segment: a name can never leave its folder)."""
-    return lake_path(conf, "bronze", catalog.path_segment(spec.schema), catalog.path_segment(spec.name))
+def bronze_path(conf: dict) -> str:
+    """<lake.root>/bronze/_log: the one change log of every table (lib/lake/bronze_log.py)."""
+    return lake_path(conf, "bronze", "_log")
 
 
 def silver_path(conf: dict, spec: TableSpec) -> str:

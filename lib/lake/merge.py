@@ -1,4 +1,5 @@
-"""Merge stage: the table topics (Confluent Avro, Debezium envelope) -> Delta bronze change log and silver tables.
+"""Merge stage: the table topics (Confluent Avro, Debezium envelope) -> the Delta bronze log every trigger, silver
+tables on their own cadence (lib/lake/silver_step.py).
 
 How it works and what it guarantees: docs/merge.md.
 """
@@ -11,7 +12,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from lib import config, control, kafka_client, secrets
 from lib.capture import incremental
-from lib.lake import lake_paths, micro_batch, silver_table
+from lib.lake import lake_paths, micro_batch, silver_step, silver_table
 from lib.lake.lake_paths import MergeError, query_name
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
                                                 "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "0"})
     frame = spark.createDataFrame(rows, letters.schema)
     stats = micro_batch.process_batch(frame, 0, micro_batch.context(replay_conf, query=query, app_id=query))
+    silver_step.run(conf, spark)
     DeltaTable.forPath(spark, path).alias("d").merge(
         frame.select("topic", "partition", "offset").alias("r"),
         f"d.topic = r.topic AND d.partition = r.partition AND d.offset = r.offset AND d.query <> '{query}'") \
@@ -136,8 +138,8 @@ def restart_reason(exc: BaseException, batches: int) -> str:
     return f"stopped by Spark after {batches} batch(es) ({first}); starting it again from the checkpoint"
 
 
-def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -> dict:
-    """Run the merge with availableNow until every topic is caught up; returns batches and counts.
+def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, silver: bool = True) -> dict:
+    """Run the merge with availableNow until every topic is in bronze, then a silver step; batches and counts.
 
     A failing batch raises MergeError naming the batch and the cause (the checkpoint keeps the
     batch, so the next run retries it; its Delta commits are idempotent). When Spark itself stops
@@ -180,6 +182,8 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -
         finally:
             if query.isActive:
                 query.stop()
+    # a catch-up ends with silver holding everything bronze got (silver=False: bronze only, the fresh view has it)
+    applied = silver_step.run(conf, spark) if silver else {"seq": None, "tables": {}}
     if cleanup:
         silver_table.cleanup_tombstones(conf, spark)
     totals: dict[str, int] = {}
@@ -188,6 +192,7 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True) -
             for key, value in counts.items():
                 if isinstance(value, int):
                     totals[key] = totals.get(key, 0) + value
-    return {"query": name, "batches": len(history), **totals}
+    return {"query": name, "batches": len(history), **totals, "bronze_seq": applied["seq"],
+            "silver_tables": len(applied["tables"])}
 
 

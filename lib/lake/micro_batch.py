@@ -1,7 +1,9 @@
-"""One micro-batch of the merge: decode each table's records, append bronze, MERGE silver, set dead letters aside.
+"""One micro-batch of the merge's bronze step: decode each table's records, append them all to the bronze log in
+one commit, set dead letters aside. Silver is not touched here: lib/lake/silver_step.py applies the log on its own
+cadence, so a trigger's cost does not grow with the tables it touches (docs/merge.md).
 
-``process_batch`` is the streaming query's foreachBatch function; a batch's Delta writes run side by side
-(``merge.parallelism``) and each is idempotent, so a retried batch changes nothing it already wrote.
+``process_batch`` is the streaming query's foreachBatch function; its writes are idempotent, so a retried
+batch changes nothing it already wrote.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pyspark.sql import DataFrame, SparkSession
@@ -20,25 +21,13 @@ from pyspark.sql import functions as F
 
 from lib import config, control
 from lib import spark as spark_session
-from lib.lake import bronze_table, decode, delta_io, lake_paths, silver_table, writer_schemas
+from lib.lake import bronze_log, dead_letter, decode, delta_io, lake_paths, writer_schemas
 from lib.lake.lake_paths import MergeError, TableSpec
 from lib.lake.writer_schemas import Layout, Schemas
 
 log = logging.getLogger(__name__)
 
-APPEND_HISTORY_COMMITS = 100  # commits searched for a retried batch's append (bronze, dead letters)
-
-
-@dataclass
-class TableWork:
-    """One table's part of a micro-batch."""
-
-    spec: TableSpec
-    layout: Layout
-    decoded: DataFrame  # the table's records decoded (none when only a truncate is pending)
-    has_rows: bool  # the batch holds records of the table
-    truncate: tuple | None  # the table's latest truncate record (commit_lsn, event_serial, ts_ms)
-    pending_truncate: tuple | None  # that truncate, when silver still holds rows it removes
+APPEND_HISTORY_COMMITS = 100  # commits searched for a retried batch's dead-letter append
 
 
 @dataclass
@@ -50,13 +39,12 @@ class MergeContext:
     specs: list[TableSpec]
     schemas: Schemas
     app_id: str | None = None  # '<query name>-<query id>' once known
-    truncates_applied: dict[str, tuple] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
-    last_cleanup: float = field(default_factory=time.monotonic)
     session: SparkSession | None = None  # the session that started the query (knows its id)
     failure: tuple[int, BaseException] | None = None  # the last batch that raised, and why
-    ready: dict = field(default_factory=dict)  # Delta path -> what is known of it (schema, has files)
-    appended: dict = field(default_factory=dict)  # bronze path -> last batch id appended by this context
+    log_state: bronze_log.State | None = None  # the bronze log's last _seq and tables (read once, then kept)
+    truncates_logged: dict[str, tuple] | None = None  # table -> the truncate the log holds last
+    appended: dict = field(default_factory=dict)  # dead-letter path -> last batch id appended by this context
     retired: frozenset = frozenset()  # topics re-keyed tables wrote before: read (Spark needs it), skipped
 
     def spec(self, topic: str) -> TableSpec | None:
@@ -91,10 +79,10 @@ def _app_id(ctx: MergeContext, spark: SparkSession) -> str:
 
 
 def process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
-    """foreachBatch body: bronze append, one silver MERGE per table, dead letters; returns the batch's counts.
+    """foreachBatch body: every table's events into the bronze log (one commit), dead letters; the batch's counts.
 
-    Safe to run again with the same batch_id (a retried batch): a bronze or dead-letter append that
-    was committed is skipped, and the silver MERGEs change nothing the second time.
+    Safe to run again with the same batch_id (a retried batch): a log or dead-letter append that was
+    committed is found by its batch id and not repeated.
     """
     try:
         return _process_batch(batch, batch_id, ctx)
@@ -107,81 +95,68 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     spark = batch.sparkSession
     app = _app_id(ctx, spark)
     began = time.monotonic()
+    path = lake_paths.bronze_path(ctx.conf)
     control_topic = control.topic(ctx.conf)
-    # one cached partition per core, not one per topic-partition: every table's decode, append and MERGE
-    # scans this cache, and with many tables the tasks, not the rows, were the cost (docs/merge.md)
+    # one cached partition per core, not one per topic-partition: every table's decode scans this cache
     cores = spark_session.cores(spark)
     raw = decode.headers(batch.coalesce(cores) if cores else batch).persist()
     frames = [raw]
     try:
         present = {row["topic"]: row for row in raw.groupBy("topic").agg(
             F.collect_set("__vid").alias("v"), F.collect_set("__kid").alias("k")).collect()}
-        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}, "seconds_by_table": {}}
+        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}}
         if not present:
             return stats
         unknown = [t for t in present if t != control_topic and t not in ctx.retired and ctx.spec(t) is None]
         if unknown:
             raise MergeError(f"micro-batch {batch_id} holds topic(s) {', '.join(unknown)}, which are not configured "
                              f"tables' topics; check source.tables and kafka.topic_prefix")
-        cuts = truncates(ctx.conf)
-        work: list[TableWork] = []
+        _clear_failed_creations([path])
+        if ctx.log_state is None:
+            bronze_log.ensure(spark, path)
+            ctx.log_state = bronze_log.state(spark, path)
+        if ctx.truncates_logged is None:
+            ctx.truncates_logged = bronze_log.truncates(spark, path)
+        cuts = {table: cut for table, cut in truncates(ctx.conf).items()
+                if ctx.truncates_logged.get(table) != cut and any(s.qualified == table for s in ctx.specs)}
+        parts = []
         for spec in ctx.specs:
             row = present.get(spec.topic)
-            cut = cuts.get(spec.qualified)
-            truncate_new = cut is not None and ctx.truncates_applied.get(spec.qualified) != cut
-            if row is None and not truncate_new:
+            if row is None:
                 continue
-            silver_path = lake_paths.silver_path(ctx.conf, spec)
-            pending = cut if truncate_new and silver_table.truncate_pending(spark, silver_path, cut) else None
-            layout = writer_schemas.table_layout(spark, ctx.schemas, spec, set(row["v"]) if row else set(),
-                                                 set(row["k"]) if row else set())
-            if row is not None:
-                _refuse_unknown_ids(ctx, raw, spec, layout, set(row["v"]), set(row["k"]))
+            layout = writer_schemas.table_layout(spark, ctx.schemas, spec, set(row["v"]), set(row["k"]))
+            _refuse_unknown_ids(ctx, raw, spec, layout, set(row["v"]), set(row["k"]))
             decoded = decode.decode(raw.filter(F.col("topic") == spec.topic), spark, ctx.schemas, layout, batch_id)
-            if row is not None:
-                decoded = decoded.persist()
-                frames.append(decoded)
-            work.append(TableWork(spec, layout, decoded, row is not None, cut, pending))
-        counts = _counts([(w.spec.qualified, w.decoded) for w in work if w.has_rows])
-        tasks, dead = [], []  # the batch's Delta writes: independent tables, run side by side
-        for w in work:
-            spec, layout, decoded, cut, pending = w.spec, w.layout, w.decoded, w.truncate, w.pending_truncate
-            mine = counts.get(spec.qualified, {})
+            parts.append(bronze_log.rows_with_reasons(decoded, spec.qualified))
+        if not parts and not cuts:
+            return stats
+        combined = functools.reduce(DataFrame.unionByName, parts) if parts else None
+        if combined is not None:
+            combined = combined.persist()
+            frames.append(combined)
+        counts = _counts(combined) if combined is not None else {}
+        for table, mine in counts.items():
             good = mine.get(None)
             bad = {reason: c["n"] for reason, c in mine.items() if reason is not None}
-            if w.has_rows:
-                stats["tables"][spec.qualified] = {
-                    "events": good["n"] - good["tombs"] if good else 0, "tombstones": good["tombs"] if good else 0,
-                    "dead_letters": sum(bad.values())}
+            stats["tables"][table] = {"events": good["n"] - good["tombs"] if good else 0,
+                                      "tombstones": good["tombs"] if good else 0, "dead_letters": sum(bad.values())}
             for reason, n in bad.items():
                 stats["dead_letters"][reason] = stats["dead_letters"].get(reason, 0) + n
-            if bad:
-                dead.append(bronze_table.dead_letter_rows(decoded, ctx.query))
-            if good is None and pending is None:
-                continue
-            timing = stats["seconds_by_table"].setdefault(spec.qualified, {})
-            if good is not None:
-                tasks.append(functools.partial(_write_bronze, spark, ctx, spec, decoded, app, batch_id, timing))
-            source = silver_table.merge_source(decoded, layout, cut[:2] if cut else None,
-                                               toast=good is not None and good["toast"] > 0)
-            tasks.append(functools.partial(_write_silver, spark, ctx, spec, layout, source, pending, batch_id, timing))
-            if pending is not None:
-                stats["tables"].setdefault(spec.qualified, {})["truncated_before"] = list(cut[:2])
-        if dead:
-            poison = functools.reduce(DataFrame.unionByName, dead)
-            tasks.append(functools.partial(_write_dead_letters, spark, ctx, poison, app, batch_id,
-                                           stats["dead_letters"]))
-        _clear_failed_creations([p for w in work for p in (lake_paths.bronze_path(ctx.conf, w.spec),
-                                                           lake_paths.silver_path(ctx.conf, w.spec))
-                                 if p not in ctx.ready] + ([lake_paths.dead_letter_path(ctx.conf)] if dead else []))
-        _run_all(tasks, int(config.get(ctx.conf, "merge.parallelism")), spark)
-        for w in work:
-            if w.truncate is not None:
-                ctx.truncates_applied[w.spec.qualified] = w.truncate
-        interval = float(config.get(ctx.conf, "merge.cleanup_interval_minutes")) * 60
-        if interval > 0 and time.monotonic() - ctx.last_cleanup >= interval:
-            silver_table.cleanup_tombstones(ctx.conf, spark)
-            ctx.last_cleanup = time.monotonic()
+        logged = [bronze_log.good(combined)] if combined is not None else []
+        if cuts:
+            logged.append(bronze_log.truncate_rows(spark, cuts, batch_id))
+            for table in cuts:
+                stats["tables"].setdefault(table, {})["truncated_before"] = list(cuts[table][:2])
+        touched = {t for t, c in counts.items() if c.get(None)} | set(cuts)
+        if touched:
+            bronze_log.append(spark, path, functools.reduce(DataFrame.unionByName, logged), ctx.log_state, app,
+                              batch_id, touched)
+        _fire("after_bronze", batch_id, ",".join(sorted(touched)))
+        ctx.truncates_logged.update(cuts)
+        if stats["dead_letters"]:
+            _write_dead_letters(spark, ctx, dead_letter.rows(combined, ctx.query), app, batch_id,
+                                stats["dead_letters"])
+        stats["seq"] = ctx.log_state.seq
         stats["seconds"] = round(time.monotonic() - began, 2)
         ctx.history = (ctx.history + [stats])[-100:]
         log.info("merge batch %s: %s", batch_id, stats)
@@ -215,19 +190,13 @@ def _refuse_unknown_ids(ctx: MergeContext, raw: DataFrame, spec: TableSpec, layo
         f"on and replay the dead letters later with merge.replay_dead_letters(conf, spark)")
 
 
-def _counts(decoded: list[tuple[str, DataFrame]]) -> dict[str, dict]:
-    """One job for every table of the batch: {table: {reason or None: {n, tombs, toast}}}."""
-    if not decoded:
-        return {}
-    parts = [frame.select(F.lit(name).alias("t"), "__reason", "__tomb",
-                          (F.coalesce(F.size("__env.unchanged_cols"), F.lit(0)) > 0).alias("__toast"))
-             for name, frame in decoded]
-    rows = functools.reduce(DataFrame.unionByName, parts).groupBy("t", "__reason").agg(
-        F.count(F.lit(1)).alias("n"), F.count(F.when(F.col("__tomb"), 1)).alias("tombs"),
-        F.count(F.when(F.col("__toast"), 1)).alias("toast")).collect()
+def _counts(combined: DataFrame) -> dict[str, dict]:
+    """One job for every table of the batch: {table: {reason or None: {n, tombs}}}."""
+    rows = combined.groupBy("_table", "__reason").agg(
+        F.count(F.lit(1)).alias("n"), F.count(F.when(F.col("_tombstone"), 1)).alias("tombs")).collect()
     out: dict[str, dict] = {}
     for r in rows:
-        out.setdefault(r["t"], {})[r["__reason"]] = {"n": r["n"], "tombs": r["tombs"], "toast": r["toast"]}
+        out.setdefault(r["_table"], {})[r["__reason"]] = {"n": r["n"], "tombs": r["tombs"]}
     return out
 
 
@@ -250,70 +219,27 @@ def _clear_failed_creations(paths: list[str]) -> None:
             shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def _run_all(tasks: list, parallelism: int, spark: SparkSession) -> None:
-    """Run the batch's Delta writes, up to ``parallelism`` at once; every write finishes before the first
-    error is raised (the micro-batch then fails as a whole and is retried)."""
-    if parallelism <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-    from pyspark import inheritable_thread_target
-
-    # each task runs with this thread's Spark local properties and the session's tags (the query's job
-    # group, so stopping the query cancels its writes too)
-    inherit = inheritable_thread_target(spark)
-    with ThreadPoolExecutor(max_workers=min(parallelism, len(tasks)), thread_name_prefix="merge-write") as pool:
-        futures = [pool.submit(inherit(task)) for task in tasks]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise errors[0]
-
-
-def _fire(stage: str, batch_id: int, table: str) -> None:
-    """Called after each of a batch's Delta writes; nothing here (a test replaces it to crash at that point)."""
-
-
-def _write_bronze(spark: SparkSession, ctx: MergeContext, spec: TableSpec, decoded: DataFrame, app: str,
-                  batch_id: int, timing: dict) -> None:
-    """Append a table's good rows to its bronze change log, once per micro-batch."""
-    began = time.monotonic()
-    bronze = lake_paths.bronze_path(ctx.conf, spec)
-    rows = bronze_table.bronze_rows(decoded)
-    if ctx.ready.get(bronze) != rows.schema:
-        table = delta_io.ensure_table(spark, bronze, rows.schema)
-        if delta_io.widens(table.toDF().schema, rows.schema):  # the append widens a column: Delta must allow it
-            delta_io.allow_widening(spark, bronze)
-        ctx.ready[bronze] = rows.schema
-    _append_once(spark, ctx, bronze, rows, f"{app}/{spec.qualified}", batch_id, mergeSchema="true")
-    timing.update(bronze_s=round(time.monotonic() - began, 2), bronze_at=time.time())
-    _fire("after_bronze", batch_id, spec.qualified)
+def _fire(stage: str, batch_id: int, tables: str) -> None:
+    """Called after a batch's bronze commit; nothing here (a test replaces it to crash at that point)."""
 
 
 def _write_dead_letters(spark: SparkSession, ctx: MergeContext, frame: DataFrame, app: str, batch_id: int,
                         reasons: dict) -> None:
     """Append the batch's poison messages to the dead-letter table, once per micro-batch like bronze."""
-    _append_once(spark, ctx, lake_paths.dead_letter_path(ctx.conf), frame, f"{app}/_dead_letter", batch_id)
+    path = lake_paths.dead_letter_path(ctx.conf)
+    _clear_failed_creations([path])
+    _append_once(spark, ctx, path, frame, f"{app}/_dead_letter", batch_id)
     log.warning("merge batch %s: %s message(s) went to the dead-letter table %s: %s", batch_id,
-                sum(reasons.values()), lake_paths.dead_letter_path(ctx.conf), reasons)
+                sum(reasons.values()), path, reasons)
 
 
-def _write_silver(spark: SparkSession, ctx: MergeContext, spec: TableSpec, layout: Layout, source: DataFrame,
-                  pending: tuple | None, batch_id: int, timing: dict) -> None:
-    """Run a table's one MERGE into silver, timed."""
-    began = time.monotonic()
-    silver_table.merge_silver(spark, lake_paths.silver_path(ctx.conf, spec), spec, layout, source, pending, ctx.ready)
-    timing.update(silver_s=round(time.monotonic() - began, 2), silver_at=time.time())
-    _fire("after_silver", batch_id, spec.qualified)
-
-
-def _append_once(spark: SparkSession, ctx: MergeContext, path: str, frame: DataFrame, marker: str, batch_id: int,
-                 **options: str) -> None:
+def _append_once(spark: SparkSession, ctx: MergeContext, path: str, frame: DataFrame, marker: str,
+                 batch_id: int) -> None:
     """Append frame to a Delta table unless this micro-batch's append under marker is already there.
 
     The commit carries ``userMetadata`` {"merge_batch": marker, "batch": id}. A batch this context has
     not appended itself (the first one, or any after a failed batch) is first looked up in the table's
-    last APPEND_HISTORY_COMMITS commits and skipped when found. Delta's txnAppId would do the same but
-    rebuilds the table's whole state on every append.
+    last APPEND_HISTORY_COMMITS commits and skipped when found.
     """
     done = ctx.appended.get(path)
     if done is None or ctx.failure is not None:
@@ -321,21 +247,17 @@ def _append_once(spark: SparkSession, ctx: MergeContext, path: str, frame: DataF
     if done is not None and done >= batch_id:
         log.info("merge batch %s: %s already holds this batch (a retried batch): not appended again", batch_id, path)
     else:
-        writer = frame.write.format("delta").mode("append") \
-            .option("userMetadata", json.dumps({"merge_batch": marker, "batch": batch_id}))
-        for key, value in options.items():
-            writer = writer.option(key, value)
-        writer.save(path)
+        frame.write.format("delta").mode("append") \
+            .option("userMetadata", json.dumps({"merge_batch": marker, "batch": batch_id})).save(path)
     ctx.appended[path] = batch_id
 
 
 def _appended_batch(spark: SparkSession, path: str, marker: str) -> int | None:
     """The newest micro-batch id appended under marker, from the table's last commits (None: none there)."""
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, path):
+    if not delta_io.is_table(spark, path):
         return None
-    for row in DeltaTable.forPath(spark, path).history(APPEND_HISTORY_COMMITS).select("userMetadata").collect():
+    for row in spark.sql(f"DESCRIBE HISTORY delta.{lake_paths.quote(path)} LIMIT {APPEND_HISTORY_COMMITS}") \
+            .select("userMetadata").collect():
         try:
             meta = json.loads(row["userMetadata"] or "{}")
         except ValueError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -20,6 +21,9 @@ from lib.lake.writer_schemas import Layout
 log = logging.getLogger(__name__)
 
 TOPIC_PROPERTY = "cdc.topic"  # the topic a silver table is built from (a re-keyed table moves to another)
+KEY_PROPERTY = "cdc.key"  # its key columns, comma-separated (the views type the bronze log's keys by them)
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"  # what a commit says of itself
+HISTORY_COMMITS = 100  # silver commits searched for the bronze log commit applied last
 
 
 
@@ -97,17 +101,19 @@ def silver_schema(layout: Layout) -> T.StructType:
         T.StructField("_commit_lsn", T.LongType()), T.StructField("_event_serial", T.LongType()),
         T.StructField("_op", T.StringType()), T.StructField("_deleted", T.BooleanType()),
         T.StructField("_deleted_at", T.TimestampType()), T.StructField("_updated_at", T.TimestampType()),
-        T.StructField("_unknown_cols", T.ArrayType(T.StringType()))])
+        T.StructField("_unknown_cols", T.ArrayType(T.StringType())), T.StructField("_bronze_seq", T.LongType())])
 
 
-def _align_columns(spark: SparkSession, table, path: str, spec: TableSpec, row: T.StructType):
+def _align_columns(spark: SparkSession, path: str, spec: TableSpec, row: T.StructType):
     """Add new columns to silver and widen changed types; a change Delta cannot make raises with the remedy."""
-    current = {f.name.lower(): f for f in table.toDF().schema.fields}
+    current = {f.name.lower(): f for f in spark.read.format("delta").load(path).schema.fields}
     added = [f for f in row.fields if f.name.lower() not in current]
+    if "_bronze_seq" not in current:  # a silver table from before the bronze log
+        added.append(T.StructField("_bronze_seq", T.LongType()))
     ident = f"delta.{quote(path)}"
     if added:
         spark.sql(f"ALTER TABLE {ident} ADD COLUMNS ("
-                  + ", ".join(f"{quote(f.name)} {f.dataType.simpleString()}" for f in added) + ")")
+                  + ", ".join(f"{quote(f.name)} {delta_io.sql_type(f.dataType)}" for f in added) + ")")
         log.info("merge %s: silver gained column(s) %s", spec.qualified, ", ".join(f.name for f in added))
     for f in row.fields:
         have = current.get(f.name.lower())
@@ -142,14 +148,16 @@ _BUILDER = {"matched update": "whenMatchedUpdate", "not matched insert": "whenNo
 
 
 def merge_rule(keys: list[str], payload: list[str], filled: bool = True,
-               truncate: tuple[int, int, object] | None = None) -> tuple[str, list[Clause]]:
+               truncate: tuple[int, int, object] | None = None, seq: int | None = None) -> tuple[str, list[Clause]]:
     """The silver rule as data: the ON condition and the clauses in order, for target t and source s.
 
     s holds one row per key (merge_source): its newest event (__kind 'event') or only a tombstone.
     An event applies when it is newer than the row (position (__lsn, __serial)), a delete keeps the
     row's values and marks it deleted; a tombstone marks a live row deleted; a new key is inserted.
-    A truncate marks every older live row deleted. An empty table gets the insert clause only.
+    A truncate marks every older live row deleted. An empty table gets the insert clause only. Every row
+    written gets _bronze_seq = seq, the bronze log commit silver is brought up to (the fresh view's bound).
     """
+    stamp = {"_bronze_seq": str(int(seq))} if seq is not None else {}
     on = " AND ".join(f"t.{quote(k)} = s.{quote(k)}" for k in keys)
     newer = ("(s.__lsn > t._commit_lsn OR (s.__lsn = t._commit_lsn AND s.__serial > t._event_serial) "
              "OR (s.__lsn = t._commit_lsn AND s.__serial = t._event_serial AND t._op = 'tombstone' "
@@ -170,23 +178,24 @@ def merge_rule(keys: list[str], payload: list[str], filled: bool = True,
     clauses = []
     if filled:  # an empty silver table (the first batch, typically the snapshot) takes Delta's insert-only path
         clauses += [Clause("matched update", "s.__kind = 'tombstone' AND NOT t._deleted",
-                           {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts"}),
-                    Clause("matched update", f"s.__kind = 'event' AND {newer}", update)]
-    clauses.append(Clause("not matched insert", "s.__kind = 'event'", insert))
+                           {"_deleted": "true", "_op": "'tombstone'", "_deleted_at": "s.__ts", **stamp}),
+                    Clause("matched update", f"s.__kind = 'event' AND {newer}", {**update, **stamp})]
+    clauses.append(Clause("not matched insert", "s.__kind = 'event'", {**insert, **stamp}))
     if truncate is not None:
         lsn, serial, ts_ms = truncate
         clauses.append(Clause(
             "not matched by source update",
             f"NOT t._deleted AND (t._commit_lsn < {lsn} OR (t._commit_lsn = {lsn} AND t._event_serial < {serial}))",
             {"_deleted": "true", "_op": "'t'", "_commit_lsn": str(lsn), "_event_serial": str(serial),
-             "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()"}))
+             "_deleted_at": f"timestamp_millis({int(ts_ms)})" if ts_ms is not None else "current_timestamp()",
+             **stamp}))
     return on, clauses
 
 
 def merge_sql(target: str, source: str, keys: list[str], payload: list[str], filled: bool = True,
-              truncate: tuple[int, int, object] | None = None) -> str:
-    """The silver MERGE as one SQL statement (the same rule merge_silver runs through Delta's API)."""
-    on, clauses = merge_rule(keys, payload, filled, truncate)
+              truncate: tuple[int, int, object] | None = None, seq: int | None = None) -> str:
+    """The silver MERGE as one SQL statement (what merge_silver runs)."""
+    on, clauses = merge_rule(keys, payload, filled, truncate, seq)
     lines = [f"MERGE INTO {target} AS t", f"USING {source} AS s", f"ON {on}"]
     for clause in clauses:
         head = f"WHEN {clause.kind.rsplit(' ', 1)[0].upper()} AND {clause.condition} THEN"
@@ -200,58 +209,85 @@ def merge_sql(target: str, source: str, keys: list[str], payload: list[str], fil
     return "\n".join(lines)
 
 
-def merge_statement(conf: dict, spark: SparkSession, table: str) -> str:
-    """The MERGE a micro-batch runs into a table's silver table, as SQL to read (its source is one batch)."""
+def key_columns(conf: dict, spark: SparkSession, spec: TableSpec) -> list[str]:
+    """A silver table's key columns: its cdc.key property, else the topic's newest key schema in the registry."""
     from lib import schema_registry
 
-    spec = lake_paths.table_spec(conf, table)
+    path = lake_paths.silver_path(conf, spec)
+    stored = delta_io.properties(spark, path).get(KEY_PROPERTY) if delta_io.is_table(spark, path) else None
+    if stored:
+        return stored.split(",")
     key_subject, _ = schema_registry.subjects(spec.topic)
     key = json.loads(schema_registry.client(conf).get_latest_version(key_subject).schema.schema_str)
-    keys = [f["name"] for f in key["fields"]]
+    return [f["name"] for f in key["fields"]]
+
+
+def merge_statement(conf: dict, spark: SparkSession, table: str) -> str:
+    """The MERGE a silver step runs into a table's silver table, as SQL to read (its source: the table's bronze
+    events since the last step, one row per key)."""
+    spec = lake_paths.table_spec(conf, table)
+    keys = key_columns(conf, spark, spec)
     silver = spark.read.format("delta").load(lake_paths.silver_path(conf, spec)).schema
     payload = [f.name for f in silver.fields if f.name not in keys and f.name not in META_COLUMNS]
-    return merge_sql(f"delta.{quote(lake_paths.silver_path(conf, spec))}", "batch", keys, payload)
+    return merge_sql(f"delta.{quote(lake_paths.silver_path(conf, spec))}", "pending", keys, payload, seq=0)
 
 
 def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
-                 truncate: tuple[int, int, object] | None, ready: dict | None = None) -> None:
-    """The one MERGE of a table in a micro-batch.
+                 truncate: tuple[int, int, object] | None, seq: int, ready: dict | None = None) -> None:
+    """A table's MERGE of the bronze events up to log commit seq, recorded in the MERGE's own commit.
 
-    Running it again with the same source changes nothing (every clause requires a newer position or
-    a live row), so a retried micro-batch needs no idempotence id here. ``ready`` (the context's
-    per-table cache) skips the existence, schema and emptiness checks once they are known.
+    The commit's userMetadata {"bronze_seq": seq} is what silver has applied (applied_seq reads it back), so
+    a step repeated after a crash reads the same events again and changes nothing (every clause requires a
+    newer position or a live row). ``ready`` (the caller's per-table cache) skips the existence, schema and
+    emptiness checks once they are known.
     """
-    from delta.tables import DeltaTable
-
     keys = [f.name for f in layout.key.fields]
     key_lower = {k.lower() for k in keys}
     payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
     ready = {} if ready is None else ready
     known = ready.get(path)
     if known is None or known["row"] != layout.row:
-        table = delta_io.ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS),
-                                      {TOPIC_PROPERTY: spec.topic})
-        _align_columns(spark, table, path, spec, layout.row)
+        delta_io.ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS),
+                              {TOPIC_PROPERTY: spec.topic, KEY_PROPERTY: ",".join(keys)})
+        _align_columns(spark, path, spec, layout.row)
         known = ready[path] = {"row": layout.row, "filled": False}
-    table = DeltaTable.forPath(spark, path)
     if not known["filled"]:
-        known["filled"] = bool(table.detail().select("numFiles").collect()[0][0])
-    on, clauses = merge_rule(keys, payload, known["filled"], truncate)
-    for attempt in (1, 2):
-        builder = table.alias("t").merge(source.alias("s"), on)
-        for clause in clauses:
-            builder = getattr(builder, _BUILDER[clause.kind])(clause.condition, clause.assignments)
+        known["filled"] = delta_io.has_files(spark, path)
+    view = "cdc_silver_pending_" + re.sub(r"[^A-Za-z0-9_]", "_", spec.qualified)
+    statement = merge_sql(f"delta.{quote(path)}", view, keys, payload, known["filled"], truncate, seq)
+    source.createOrReplaceTempView(view)
+    spark.conf.set(USER_METADATA, json.dumps({"bronze_seq": int(seq), "table": spec.qualified}))
+    try:
+        spark.sql(statement)
+    finally:
+        spark.conf.unset(USER_METADATA)
+        spark.catalog.dropTempView(view)
+
+
+def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int) -> None:
+    """Record that silver reached bronze log commit seq when it had nothing to change (a commit of its own)."""
+    if not delta_io.is_table(spark, path):
+        return
+    spark.conf.set(USER_METADATA, json.dumps({"bronze_seq": int(seq), "table": spec.qualified}))
+    try:
+        spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('cdc.bronze_seq' = '{int(seq)}')")
+    finally:
+        spark.conf.unset(USER_METADATA)
+
+
+def applied_seq(spark: SparkSession, path: str) -> int:
+    """The bronze log commit silver was brought up to, from its newest MERGE's userMetadata (-1: none yet)."""
+    if not delta_io.is_table(spark, path):
+        return -1
+    for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select(
+            "userMetadata").collect():
         try:
-            builder.execute()  # "filled" stays as checked: the next batch looks again until the table has files
-            return
-        except Exception as exc:  # noqa: BLE001 - one known Delta refusal is retried, anything else raised
-            if attempt == 2 or "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION" not in str(exc):
-                raise
-            # Delta saw the source's cached state change while it ran (a source it did not materialize, such as
-            # the insert-only path's): run it again on a copy of the source that no cache can change
-            log.warning("merge %s: Delta refused the MERGE (%s); running it again on a checkpointed copy of "
-                        "the source", spec.qualified, "DELTA_MERGE_SOURCE_CACHED_DURING_EXECUTION")
-            source = source.localCheckpoint(eager=True)
+            meta = json.loads(row["userMetadata"] or "{}")
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and "bronze_seq" in meta:
+            return int(meta["bronze_seq"])
+    return -1
 
 
 def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:
@@ -260,15 +296,13 @@ def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:
     Operators: the rows come back as the merge reads the new topic, which holds the table's chunked
     snapshot (python -m lib.operate.tables rekey); silver lacks rows until then.
     """
-    from delta.tables import DeltaTable
-
     prefix, emptied = config.get(conf, "kafka.topic_prefix"), []
     for spec in lake_paths.table_specs(conf):
         default = avro_schemas.topic_name(prefix, spec.qualified)
         path = lake_paths.silver_path(conf, spec)
-        if spec.topic == default or not DeltaTable.isDeltaTable(spark, path):
+        if spec.topic == default or not delta_io.is_table(spark, path):
             continue  # only a table named under kafka.topics can have moved
-        built_from = DeltaTable.forPath(spark, path).detail().collect()[0]["properties"].get(TOPIC_PROPERTY, default)
+        built_from = delta_io.properties(spark, path).get(TOPIC_PROPERTY, default)
         if built_from == spec.topic:
             continue
         spark.sql(f"DELETE FROM delta.{quote(path)}")  # first: a crash before the property just empties it again
@@ -281,9 +315,7 @@ def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:
 
 def truncate_pending(spark: SparkSession, path: str, truncate: tuple[int, int, object]) -> bool:
     """True when silver still holds a live row older than the truncate's position."""
-    from delta.tables import DeltaTable
-
-    if not DeltaTable.isDeltaTable(spark, path):
+    if not delta_io.is_table(spark, path):
         return False
     lsn, serial, _ = truncate
     older = (F.col("_commit_lsn") < lsn) | ((F.col("_commit_lsn") == lsn) & (F.col("_event_serial") < serial))
@@ -297,18 +329,14 @@ def cleanup_tombstones(conf: dict, spark: SparkSession, retention_hours: float |
     can bring the row back. Keep the retention longer than the topics' delete.retention.ms and
     than any replay you may run.
     """
-    from delta.tables import DeltaTable
-
     hours = float(retention_hours if retention_hours is not None
                   else config.get(conf, "merge.tombstone_retention_hours"))
     removed = {}
     for spec in lake_paths.table_specs(conf):
         path = lake_paths.silver_path(conf, spec)
-        if not DeltaTable.isDeltaTable(spark, path):
+        if not delta_io.is_table(spark, path):
             continue
-        table = DeltaTable.forPath(spark, path)
-        table.delete(f"_deleted AND _deleted_at < current_timestamp() - make_dt_interval(0, 0, 0, {hours * 3600})")
-        metrics = table.history(1).select("operation", "operationMetrics").collect()[0]
-        removed[spec.qualified] = int((metrics["operationMetrics"] or {}).get("numDeletedRows", 0)) \
-            if metrics["operation"] == "DELETE" else 0
+        done = spark.sql(f"DELETE FROM delta.{quote(path)} WHERE _deleted AND _deleted_at < current_timestamp() - "
+                         f"make_dt_interval(0, 0, 0, {hours * 3600})").collect()
+        removed[spec.qualified] = int(done[0][0]) if done and done[0][0] is not None else 0
     return removed

@@ -49,7 +49,7 @@ def utc(when):
 
 def plot(conf: dict, frame=None, since=None):
     """A matplotlib figure of the history (all of it, or the records since a time such as the services' start):
-    events/s in and out, slot lag and retained WAL, merge Kafka lag."""
+    events/s in and out, slot lag and retained WAL, bronze's Kafka lag and silver's pending events."""
     import matplotlib.pyplot as plt
 
     frame = metrics.history(conf) if frame is None else frame
@@ -70,7 +70,11 @@ def plot(conf: dict, frame=None, since=None):
         axes[1].plot([], [], color="red", linestyle=":", label=f"monitor.warn_retained_wal_bytes: {warn / 1e6:,.0f} MB "
                                                                  f"(far above)")
     axes[1].set_ylabel("MB")
-    axes[2].plot(merged["ts"], merged["kafka_lag"], label="merge: Kafka messages not yet in Delta", marker=".")
+    axes[2].plot(merged["ts"], merged["kafka_lag"], label="bronze: Kafka messages not yet in the bronze log",
+                 marker=".", drawstyle="steps-post")
+    if "silver_pending_events" in merged:
+        axes[2].plot(merged["ts"], merged["silver_pending_events"], label="silver: bronze events not yet applied",
+                     marker=".", drawstyle="steps-post")
     axes[2].set_ylabel("messages")
     for ax in axes:
         ax.legend(loc="upper left", fontsize="small")
@@ -184,6 +188,24 @@ def kafka_lag(conf: dict) -> dict[str, dict]:
     return result
 
 
+def silver_behind(conf: dict, spark=None) -> dict[str, int]:
+    """Per table with events silver has not applied: how many bronze log commits it is behind ({}: silver holds
+    everything bronze has). Local lakes are read from the Delta logs' files, so no Spark is needed."""
+    from lib.lake import delta_io
+
+    log_meta = delta_io.newest_metadata(spark, lake_paths.bronze_path(conf), "seq") or {}
+    behind = {}
+    for spec in lake_paths.table_specs(conf):
+        touched = int((log_meta.get("touched") or {}).get(spec.qualified, -1))
+        if touched < 0:
+            continue
+        applied = delta_io.newest_metadata(spark, lake_paths.silver_path(conf, spec), "bronze_seq") or {}
+        done = int(applied.get("bronze_seq", -1))
+        if touched > done:
+            behind[spec.qualified] = touched - done
+    return behind
+
+
 def merged_positions(conf: dict, spark) -> dict[str, int | None]:
     """The newest source position (commit LSN) in each silver table, from Delta (one Spark job)."""
     from delta.tables import DeltaTable
@@ -244,6 +266,11 @@ def status(conf: dict, spark=None, all_slots: bool = False) -> dict:
     except Exception as exc:  # noqa: BLE001 - shown as a warning, the rest of the status still counts
         warnings.append(f"Kafka lag unknown: {exc}; check Kafka at {config.get(conf, 'kafka.bootstrap_servers')}")
     positions, dead = _merge_side(conf, spark, merge_last, warnings)
+    try:
+        silver = silver_behind(conf, spark)
+    except Exception as exc:  # noqa: BLE001
+        silver = {}
+        warnings.append(f"silver's progress unknown: {exc}")
     capture_now = capture_last if _fresh(capture_last, conf, running["capture"]) else None
     merge_now = merge_last if _fresh(merge_last, conf, running["merge"]) else None
     tables = []
@@ -256,11 +283,13 @@ def status(conf: dict, spark=None, all_slots: bool = False) -> dict:
             "events_in": ((capture_last or {}).get("events_per_table") or {}).get(spec.qualified),
             "events_out": ((merge_last or {}).get("events_per_table") or {}).get(spec.qualified),
             "kafka_messages": topic_lag.get("end"), "kafka_lag": topic_lag.get("lag"),
+            "silver_behind": silver.get(spec.qualified, 0),
             "last_merged_lsn": _lsn(positions.get(spec.qualified)),
             "dead_letters": dead.get(spec.qualified, 0),
         })
     return {"slot": config.get(conf, "source.slot"), "services": services, "slots": slot_rows, "tables": tables,
-            "kafka_lag": sum(t["kafka_lag"] or 0 for t in tables), "warnings": warnings,
+            "kafka_lag": sum(t["kafka_lag"] or 0 for t in tables),
+            "silver_behind": sum(t["silver_behind"] for t in tables), "warnings": warnings,
             "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -347,7 +376,7 @@ FRAME_COLUMNS = {
     "services": ("service", "state", "pid", "log", "last_line"),
     "slots": SLOT_KEYS + ("lag_s",),
     "tables": ("table", "topic", "events_in_per_s", "events_out_per_s", "events_in", "events_out", "kafka_messages",
-               "kafka_lag", "last_merged_lsn", "dead_letters"),
+               "kafka_lag", "silver_behind", "last_merged_lsn", "dead_letters"),
 }
 
 
@@ -372,11 +401,11 @@ def report(st: dict) -> str:
         lines.append(f"{r['slot']:24s} {consumer:10s} {human_size(r['lag_bytes']):>10s} {lag_s:>8s} "
                      f"{human_size(r['retained_wal_bytes']):>13s}  {r['wal_status']}")
     lines.append("")
-    lines.append(f"{'table':24s} {'in/s':>7s} {'out/s':>7s} {'in Kafka':>9s} {'merge lag':>9s} "
-                 f"{'last merged':>13s} {'dead':>5s}")
-    for t in st["tables"]:
+    lines.append(f"{'table':24s} {'in/s':>7s} {'out/s':>7s} {'in Kafka':>9s} {'bronze lag':>10s} "
+                 f"{'silver lag':>10s} {'last merged':>13s} {'dead':>5s}")
+    for t in st["tables"]:  # bronze lag: Kafka messages not in bronze; silver lag: bronze log commits not applied
         lines.append(f"{t['table']:24s} {t['events_in_per_s']:>7.1f} {t['events_out_per_s']:>7.1f} "
-                     f"{_dash(t['kafka_messages']):>9s} {_dash(t['kafka_lag']):>9s} "
+                     f"{_dash(t['kafka_messages']):>9s} {_dash(t['kafka_lag']):>10s} {t['silver_behind']:>10d} "
                      f"{t['last_merged_lsn'] or '-':>13s} {t['dead_letters']:>5d}")
     for warning in st["warnings"]:
         lines.append(f"WARNING   {warning}")
@@ -409,10 +438,11 @@ def wait_until_recording(conf: dict, since, services: tuple[str, ...] = metrics.
         time.sleep(poll_s)
 
 
-def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1.0) -> dict:
-    """Wait until the slot confirmed the WAL position of now and the merge committed Kafka's end offsets.
+def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1.0, spark=None) -> dict:
+    """Wait until the slot confirmed the WAL position of now, bronze holds Kafka's end offsets and silver has
+    applied bronze; with the merge service running, also until its metrics history records that state.
 
-    Returns {'seconds', 'target_lsn', 'kafka_end'}; TimeoutError names the stage that is behind.
+    Returns {'seconds', 'bronze_s', 'target_lsn', 'kafka_end'}; TimeoutError names the stage that is behind.
     """
     began = time.monotonic()
     deadline = began + timeout_s
@@ -437,18 +467,29 @@ def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1
     topics = [spec.topic for spec in lake_paths.table_specs(conf)] + [control.topic(conf)]
     ends = end_offsets(conf, topics)
     checkpoint = lake_paths.checkpoint_path(conf, lake_paths.query_name(conf))
-    while True:
+    while True:  # bronze: the merge's checkpoint holds Kafka's end offsets
         done = committed_offsets(checkpoint) or {}
         behind = {t: sum(high - done.get(t, {}).get(p, 0) for p, high in parts.items() if high > done.get(t, {})
                          .get(p, 0)) for t, parts in ends.items()}
         behind = {t: n for t, n in behind.items() if n > 0}
         if not behind:
-            return {"seconds": round(time.monotonic() - began, 1), "target_lsn": target,
-                    "kafka_end": {t: sum(p.values()) for t, p in ends.items()}}
+            break
         if time.monotonic() > deadline:
             raise TimeoutError(f"the merge ({checkpoint}) did not reach Kafka's end offsets within {timeout_s:.0f} s; "
                                f"behind: {behind}; is the merge running? {config.make(conf, 'status')}")
         time.sleep(poll_s)
+    bronze_s = round(time.monotonic() - began, 1)
+    while behind := silver_behind(conf, spark):  # silver: every table has applied the log commits holding them
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"silver did not apply the bronze log within {timeout_s:.0f} s (bronze holds Kafka's "
+                               f"end offsets); log commits behind per table: {behind}; is the merge running? "
+                               f"{config.make(conf, 'status')}")
+        time.sleep(poll_s)
+    caught_at = datetime.now(timezone.utc)
+    if keeper.state(conf, "merge")["state"] == "running":  # its history then ends on this state too (lag 0)
+        wait_until_recording(conf, caught_at, ("merge",), timeout_s=max(30.0, deadline - time.monotonic()))
+    return {"seconds": round(time.monotonic() - began, 1), "bronze_s": bronze_s, "target_lsn": target,
+            "kafka_end": {t: sum(p.values()) for t, p in ends.items()}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -123,14 +123,18 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     tally = _MergeTally(conf, spark)
     failures = 0
     _renew_lease(conf, "merge", log)
+    cadence = SilverCadence(conf, spark, log)
     try:
         while True:
             query = merge.start(conf, spark, "processing_time", interval)
             ctx = query.merge_context
-            log(f"merge     query {query.name} ({query.id}) started, trigger every {interval}")
+            cadence.follow(ctx)
+            log(f"merge     query {query.name} ({query.id}) started, bronze every {interval}, silver every "
+                f"{cadence.interval_s:g} s")
             last = time.monotonic()
             try:
                 while query.isActive and not stop():
+                    cadence.raise_failure()
                     if deadline is not None and time.monotonic() >= deadline:
                         stop.event.set()
                         break
@@ -140,12 +144,13 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                         break
                     if time.monotonic() - last >= every:
                         last = time.monotonic()
-                        metrics.record(conf, "merge", tally.tick(ctx, log))
+                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.steps), **cadence.record()})
                         _renew_lease(conf, "merge", log)
             finally:
                 _stop_query(query, float(config.get(conf, "service.stop_grace_s")), log)
-            metrics.record(conf, "merge", tally.tick(ctx, log))
+            metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.steps), **cadence.record()})
             if stop():
+                cadence.stop()
                 _drop_lease(conf, "merge")
                 return tally.totals()
             if ctx.failure is not None:
@@ -163,7 +168,80 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                                        f"it again")
             log(f"merge     query {merge.restart_reason(exception, len(ctx.history))}")
     finally:
+        cadence.stop()
         stop.restore()
+
+
+class SilverCadence:
+    """The merge service's silver steps (lib/lake/silver_step.py) in a thread of their own, beside the bronze
+    query: every merge.silver_interval, sooner once a table's pending events pass merge.silver_pending_events."""
+
+    def __init__(self, conf: dict, spark, log):
+        from lib.lake import silver_step
+
+        self.conf, self.spark, self.log = conf, spark, log
+        self.interval_s = float(config.get(conf, "merge.silver_interval_s"))
+        self.threshold = int(config.get(conf, "merge.silver_pending_events"))
+        self.progress = silver_step.progress(conf)
+        self.ctx = None
+        self.steps, self.failure, self.last = 0, None, None
+        self.done_batches = -1  # the bronze batch id the last step started after
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="silver-cadence", daemon=True)
+        self.thread.start()
+
+    def follow(self, ctx) -> None:
+        """The bronze query's context whose batches count toward the threshold (a restarted query: its new one)."""
+        self.ctx, self.done_batches = ctx, -1
+
+    def _pending_events(self) -> int:
+        """Events the bronze query logged since the last step began (its batches' counts)."""
+        history = list(self.ctx.history) if self.ctx is not None else []
+        return sum(int(c.get("events", 0)) + int(c.get("tombstones", 0))
+                   for b in history if b["batch_id"] > self.done_batches for c in b["tables"].values())
+
+    def _run(self) -> None:
+        from lib.lake import silver_step
+
+        due = time.monotonic() + self.interval_s
+        while not self.stopping.wait(0.5):
+            if time.monotonic() < due and self._pending_events() < self.threshold:
+                continue
+            history = list(self.ctx.history) if self.ctx is not None else []
+            newest = history[-1]["batch_id"] if history else self.done_batches
+            try:
+                done = silver_step.run(self.conf, self.spark, self.progress)
+            except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
+                self.failure = exc
+                return
+            self.done_batches, self.steps = newest, self.steps + 1
+            self.last = {"at": time.time(), "seq": done["seq"], "seconds": done.get("seconds"),
+                         "tables": len(done["tables"]), "events": sum(t["events"] for t in done["tables"].values())}
+            if done["tables"]:
+                self.log(f"merge     silver: {self.last['events']} event(s) of {self.last['tables']} table(s) applied, "
+                         f"bronze commit {done['seq']}, {done.get('seconds')} s")
+            due = time.monotonic() + self.interval_s
+
+    def raise_failure(self) -> None:
+        """Stop the service when a silver step failed (its keeper starts it again; the step is repeated)."""
+        if self.failure is not None:
+            from lib.lake import merge
+
+            raise merge.MergeError(f"silver step failed: {type(self.failure).__name__}: "
+                                   f"{str(self.failure).splitlines()[0][:500]}; the service stops and its next "
+                                   f"start repeats the step (it changes nothing it applied already)") \
+                from self.failure
+
+    def record(self) -> dict:
+        """The silver side of a metrics record."""
+        return {"silver_steps": self.steps, "silver_last": self.last, "silver_pending_events": self._pending_events(),
+                "silver_applied": dict(self.progress.applied)}
+
+    def stop(self) -> None:
+        """Let a running step finish, then end the thread."""
+        self.stopping.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(float(config.get(self.conf, "service.stop_grace_s")))
 
 
 def _stop_query(query, grace_s: float, log) -> None:
@@ -198,10 +276,12 @@ class _MergeTally:
         self.batches = 0
         self.last: dict[int, int] = {}  # id(merge context) -> last batch id counted (each query start has its own)
         self.positions: dict[str, int | None] = {}
+        self.silver_steps = 0
         self.at = time.monotonic()
 
-    def tick(self, ctx, log) -> dict:
-        """One history record: the batches finished since the last tick, Kafka lag, positions when they moved."""
+    def tick(self, ctx, log, silver_steps: int = 0) -> dict:
+        """One history record: the batches finished since the last tick, Kafka lag, silver's positions when a
+        silver step ran since."""
         now = time.monotonic()
         interval = max(now - self.at, 1e-9)
         self.at = now
@@ -215,7 +295,8 @@ class _MergeTally:
                 per_table[table] = per_table.get(table, 0) + n
                 self.events[table] = self.events.get(table, 0) + n
                 self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
-        if fresh or not self.positions:
+        if silver_steps != self.silver_steps or not self.positions:
+            self.silver_steps = silver_steps
             try:
                 self.positions = monitor.merged_positions(self.conf, self.spark)
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop the merge

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from lib import config
 from lib.capture import catalog
+from lib.lake import lake_paths, silver_table
 from lib.views import masking
 
 
@@ -35,9 +36,8 @@ def today(conf: dict, spark, table: str, limit: int = 20):
     view = masking.view(conf, table, "history")
     columns = spark.table(view).columns
     who, _ = actor(conf, table, columns)
-    entry = next(e for e in config.get(conf, "source.tables") if catalog.qualified(e) == catalog.qualified(table))
-    bronze = spark.table(masking.source_ref(conf, masking.load_policy(conf), "bronze", entry))
-    keys = [k for k in bronze.schema["key"].dataType.fieldNames() if f"after_{k}" in columns]
+    spec = lake_paths.table_spec(conf, catalog.qualified(table))
+    keys = [k for k in silver_table.key_columns(conf, spark, spec) if f"after_{k}" in columns]
     shown = ", ".join(f"coalesce({masking.quote('after_' + k)}, {masking.quote('before_' + k)}) AS {masking.quote(k)}"
                       for k in keys)
     return spark.sql(

@@ -8,9 +8,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from pyspark.sql import types as T
+
 from lib import config, secrets
 from lib import spark as spark_lib
 from lib.capture import catalog
+from lib.lake import lake_paths
 from lib.lake.lake_paths import quote
 from lib.views.policy import (  # noqa: F401 - REDACTED: part of this module's interface
     DEFAULT_DATABASE,
@@ -112,6 +115,16 @@ def view(conf: dict, table: str, kind: str, policy: dict | None = None) -> str:
     return f"{database}.{names[catalog.qualified(table)]}_{kind}"
 
 
+def as_of(conf: dict, spark, table: str, when, policy: dict | None = None):
+    """The table as it was at `when` (a datetime, or text Spark reads as a timestamp), from its SCD2 view: one row
+    per key that existed then, masked like the clean view."""
+    scd2 = spark.table(view(conf, table, "scd2", policy))
+    *data, _op, _tx, _lsn, _serial, valid_from, valid_to, _current = scd2.columns  # scd2_select's order
+    at = f"CAST({sql_string(str(when))} AS TIMESTAMP)"
+    return scd2.filter(f"{quote(valid_from)} <= {at} AND ({quote(valid_to)} IS NULL OR {quote(valid_to)} > {at})") \
+        .select(*[quote(c) for c in data])
+
+
 def kept_columns(conf: dict, table: str, columns: Iterable[str], policy: dict | None = None) -> list[str]:
     """Those of columns that the policy keeps as they are (safe to show in a kept notebook output)."""
     policy = load_policy(conf, policy)
@@ -158,21 +171,38 @@ def lake_path(conf: dict, layer: str, table: str) -> str:
 
 
 def source_ref(conf: dict, policy: dict, layer: str, table: str) -> str:
-    """How the views name a layer's table: `masking.<layer>_table` (a catalog name template with
-    {schema} and {table}) when set, else the path `delta.`<lake.root>/<layer>/<schema>/<table>``."""
+    """How the views name a table's silver table (`masking.silver_table`, a catalog name template with {schema}
+    and {table}, else the path `delta.`<lake.root>/silver/<schema>/<table>``) or the bronze log (`masking.
+    bronze_table`, a catalog name, else `delta.`<lake.root>/bronze/_log``)."""
     template = policy.get(f"{layer}_table")
+    if layer == "bronze":
+        return quote_name(str(template)) if template else f"delta.{quote(lake_paths.bronze_path(conf))}"
     if template:
         schema, name = catalog.normalize(table)
         return quote_name(str(template).format(schema=schema, table=name))
     return f"delta.{quote(lake_path(conf, layer, table))}"
 
 
+def bronze_relation(conf: dict, spark, policy: dict, table: str, silver) -> str | None:
+    """A table's rows of the bronze log, typed like its silver table (key, before, after as structs), as SQL;
+    None while the log or the table's silver table does not exist (a table the merge has not reached yet)."""
+    from lib.lake import bronze_log, silver_table
+
+    log_ref = source_ref(conf, policy, "bronze", table)
+    if silver is None or _read_schema(spark, log_ref) is None:
+        return None
+    keys = silver_table.key_columns(conf, spark, lake_paths.table_spec(conf, table))
+    row = T.StructType(data_fields(silver))
+    return bronze_log.relation(log_ref, table, T.StructType([f for f in row.fields if f.name in keys]), row)
+
+
 def _read_schema(spark, source: str):
-    """The schema of the table a source_ref names, or None when it does not exist."""
+    """The schema of the table (or parenthesized query) a source names, or None when it does not exist."""
     from pyspark.errors import AnalysisException
 
     try:
-        return spark.table(source).schema
+        return spark.sql(f"SELECT * FROM {source} LIMIT 0").schema if source.startswith("(") \
+            else spark.table(source).schema
     except AnalysisException as exc:
         if any(word in str(exc) for word in ("PATH_NOT_FOUND", "DELTA_MISSING", "TABLE_OR_VIEW_NOT_FOUND",
                                              "not a Delta table", "doesn't exist", "does not exist")):
@@ -216,10 +246,13 @@ def create_views(conf: dict, spark, policy: dict | None = None, tables: Iterable
     entries = {catalog.qualified(e): e for e in (tables if tables is not None else config.get(conf, "source.tables"))}
     tables = list(entries)
     validate(policy, {table: None for table in tables})
-    sources = {(layer, table): source_ref(conf, policy, layer, entries[table]) for layer in ("silver", "bronze")
-               for table in tables}
+    sources = {("silver", table): source_ref(conf, policy, "silver", entries[table]) for table in tables}
     silver = {table: _read_schema(spark, sources["silver", table]) for table in tables}
-    bronze = {table: _read_schema(spark, sources["bronze", table]) for table in tables}
+    for table in tables:
+        sources["bronze", table] = bronze_relation(conf, spark, policy, table, silver[table]) or \
+            source_ref(conf, policy, "bronze", table)
+    bronze = {table: _read_schema(spark, sources["bronze", table]) if sources["bronze", table].startswith("(")
+              else None for table in tables}
     validate(policy, {table: silver[table] if silver[table] is not None else bronze_columns(bronze[table])
                       for table in tables})
     database = policy.get("database") or DEFAULT_DATABASE

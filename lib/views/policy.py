@@ -130,10 +130,12 @@ def validate(policy: dict, tables_columns: Mapping[str, object]) -> None:
         if not secrets.is_reference(policy["salt"]):
             raise MaskingError("masking.salt must be a secret reference ({env: NAME} or {scope: S, key: K}), "
                                "not a literal value: secrets are never written in conf")
-    for layer in ("silver", "bronze"):
-        template = policy.get(f"{layer}_table")
-        if template and "{table}" not in str(template):
-            raise MaskingError(f"masking.{layer}_table: {template!r} must contain {{table}} (and usually {{schema}})")
+    template = policy.get("silver_table")
+    if template and "{table}" not in str(template):
+        raise MaskingError(f"masking.silver_table: {template!r} must contain {{table}} (and usually {{schema}})")
+    if policy.get("bronze_table") and "{" in str(policy["bronze_table"]):
+        raise MaskingError(f"masking.bronze_table: {policy['bronze_table']!r} names the one bronze log of every "
+                           f"table (e.g. main.cdc.bronze_log), not a table per source table")
     tables = policy.get("tables") or {}
     if not isinstance(tables, Mapping):
         raise MaskingError("masking.tables must map `schema.table` to {column: rule}")

@@ -60,7 +60,7 @@ def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -
               f"`b`.`source`.`event_serial` AS `__serial`, timestamp_millis(`b`.`source`.`ts_ms`) AS `__ts`, "
               f"`b`.`source`.`txId` AS `__tx`, row_number() OVER (PARTITION BY `b`.`key`, `b`.`source`.`commit_lsn`, "
               f"`b`.`source`.`event_serial` ORDER BY `b`.`_kafka_offset`) AS `__copy` "
-              f"FROM {source} AS `b` WHERE `b`.`op` IS NOT NULL")
+              f"FROM {source} AS `b` WHERE `b`.`op` IS NOT NULL AND `b`.`op` <> 't'")
     versions = (f"SELECT `e`.`__op`, `e`.`__tx`, `e`.`__lsn`, `e`.`__serial`, `e`.`__ts`, "
                 f"lead(`e`.`__ts`) OVER ({order}) AS `__to`, {', '.join(values)} "
                 f"FROM ({events}) AS `e` WHERE `e`.`__copy` = 1")
@@ -70,18 +70,19 @@ def scd2_select(table: str, schema, policy: dict, source: str, key_table: str) -
 
 def fresh_select(table: str, silver, bronze, policy: dict, silver_source: str, bronze_source: str,
                  key_table: str) -> tuple[str, list[str]]:
-    """SELECT of the fresh view: silver's rows plus the bronze events the merge may not have applied to silver
-    yet, the newest per key by source position (kept as _commit_lsn, _event_serial), deleted keys hidden, masked
-    like the clean view.
+    """SELECT of the fresh view: silver's rows plus the bronze log's events silver has not applied yet, the newest
+    per key by source position (kept as _commit_lsn, _event_serial), deleted keys hidden, masked like the clean
+    view.
 
-    A micro-batch appends to bronze and then MERGEs into silver, and batches run one after another, so
-    every event silver may lack is in the table's newest bronze batch (or, after a checkpoint was
-    reset, at or after silver's newest position): only those are read besides silver.
+    Silver records with every row the bronze log commit it was brought up to (_bronze_seq), and a silver
+    step applies every event of the log up to that commit: so the events it may lack are those of later log
+    commits (with a few it applied, which rank below silver's own rows). A truncate among them hides every
+    older row.
     """
     key = field_at(bronze, ("key",))
-    if key is None or field_at(bronze, ("_batch_id",)) is None or field_at(bronze, ("source", "commit_lsn")) is None:
-        raise MaskingError(f"bronze table of {table} lacks key, _batch_id or source.commit_lsn; it does not follow "
-                           f"the bronze layout")
+    if key is None or field_at(bronze, ("_seq",)) is None or field_at(bronze, ("source", "commit_lsn")) is None:
+        raise MaskingError(f"bronze log rows of {table} lack key, _seq or source.commit_lsn; they do not follow "
+                           f"the bronze layout (lib/lake/bronze_log.py)")
     require_deleted(silver, table)
     keys = key.dataType.fieldNames()
     data = data_fields(silver)
@@ -96,15 +97,16 @@ def fresh_select(table: str, silver, bronze, policy: dict, silver_source: str, b
         else:
             ref = f"CAST(NULL AS {field.dataType.simpleString()})"
         from_bronze.append(f"{ref} AS {quote(field.name)}")
-    newest_batch = f"(SELECT max(`_batch_id`) FROM {bronze_source})"
-    merged_up_to = f"(SELECT coalesce(max(`_commit_lsn`), -1) FROM {silver_source})"
+    applied = (f"(SELECT coalesce(max(`_bronze_seq`), -1) FROM {silver_source})"
+               if "_bronze_seq" in silver.fieldNames() else "-1")  # a silver table older than the bronze log: all
+    truncated = (f"(SELECT max(named_struct('l', `t`.`source`.`commit_lsn`, 's', `t`.`source`.`event_serial`)) "
+                 f"FROM {bronze_source} AS `t` WHERE `t`.`op` = 't' AND `t`.`_seq` > {applied})")
     rows = (f"SELECT {', '.join(from_silver)}, `s`.`_commit_lsn` AS `__lsn`, `s`.`_event_serial` AS `__serial`, "
             f"coalesce(`s`.`_deleted`, false) AS `__deleted`, CAST(array() AS array<string>) AS `__unchanged`, "
             f"0 AS `__from` FROM {silver_source} AS `s` "
             f"UNION ALL SELECT {', '.join(from_bronze)}, `b`.`source`.`commit_lsn`, `b`.`source`.`event_serial`, "
             f"`b`.`op` = 'd', coalesce(`b`.`unchanged_cols`, array()), 1 FROM {bronze_source} AS `b` "
-            f"WHERE `b`.`op` IS NOT NULL AND (`b`.`_batch_id` = {newest_batch} "
-            f"OR `b`.`source`.`commit_lsn` >= {merged_up_to})")
+            f"WHERE `b`.`op` IS NOT NULL AND `b`.`op` <> 't' AND `b`.`_seq` > {applied}")
     by_key = ", ".join(f"`u`.{quote(k)}" for k in keys)
     ascending = f"PARTITION BY {by_key} ORDER BY `u`.`__lsn`, `u`.`__serial`, `u`.`__from`"
     values = []
@@ -125,5 +127,6 @@ def fresh_select(table: str, silver, bronze, policy: dict, silver_source: str, b
     items += ["`f`.`__lsn` AS `_commit_lsn`", "`f`.`__serial` AS `_event_serial`"]  # the row's newest position
     names += ["_commit_lsn", "_event_serial"]
     join = key_join(items, key_table)
-    return (f"SELECT {', '.join(items)} FROM ({ranked}) AS `f`{join} WHERE `f`.`__rank` = 1 AND NOT `f`.`__deleted`",
-            names)
+    newer = f"coalesce(named_struct('l', `f`.`__lsn`, 's', `f`.`__serial`) > {truncated}, true)"
+    return (f"SELECT {', '.join(items)} FROM ({ranked}) AS `f`{join} WHERE `f`.`__rank` = 1 AND NOT `f`.`__deleted` "
+            f"AND {newer}", names)

@@ -1,0 +1,173 @@
+"""Bronze: one Delta change log for every table of a pipeline, appended once per trigger.
+
+Each row is one event (or tombstone, or truncate) as the merge decoded it: the table it belongs to, the
+key and the row images as VARIANT (each table has its own columns; one log holds them all, so a trigger
+costs one commit however many tables it touches), the envelope's source and transaction, the Kafka
+coordinates and ``_seq``, the number of the log commit that added it (0, 1, 2, ... in commit order).
+Silver applies the log per table on its own cadence and records in its own commit the ``_seq`` it
+applied up to (lib/lake/silver_step.py); the fresh view adds the log's newer rows to silver.
+
+Each commit's ``userMetadata`` holds {"merge_batch": <query id>, "batch": <micro-batch id>, "seq": <_seq>,
+"touched": {table: the last _seq holding one of its events}}: a retried micro-batch finds its commit and
+adds nothing, and a reader learns which tables have events silver has not applied, without a scan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from lib.lake import decode, delta_io
+from lib.lake.lake_paths import quote
+
+HISTORY_COMMITS = 100  # commits searched for a retried batch's append and for the log's state
+TRUNCATE_OP = "t"
+
+SCHEMA = T.StructType([
+    T.StructField("_table", T.StringType()), T.StructField("key", T.VariantType()),
+    T.StructField("op", T.StringType()), T.StructField("before", T.VariantType()),
+    T.StructField("after", T.VariantType()), T.StructField("source", decode.SOURCE_TYPE),
+    T.StructField("ts_ms", T.LongType()), T.StructField("transaction", decode.TRANSACTION_TYPE),
+    T.StructField("unchanged_cols", T.ArrayType(T.StringType())), T.StructField("_tombstone", T.BooleanType()),
+    T.StructField("_tombstone_lsn", T.LongType()), T.StructField("_tombstone_serial", T.LongType()),
+    T.StructField("_kafka_topic", T.StringType()), T.StructField("_kafka_partition", T.IntegerType()),
+    T.StructField("_kafka_offset", T.LongType()), T.StructField("_kafka_timestamp", T.TimestampType()),
+    T.StructField("_key_schema_id", T.LongType()), T.StructField("_value_schema_id", T.LongType()),
+    T.StructField("_batch_id", T.LongType()), T.StructField("_seq", T.LongType())])
+
+
+@dataclass
+class State:
+    """Where the log stands: its last _seq, and per table the last _seq holding one of its events."""
+
+    seq: int = -1
+    touched: dict[str, int] = field(default_factory=dict)
+    batches: dict[str, int] = field(default_factory=dict)  # query marker -> its last micro-batch appended
+
+
+def ensure(spark: SparkSession, path: str) -> None:
+    """Create the log if missing (deletion vectors off: it is only ever appended to)."""
+    delta_io.ensure_table(spark, path, SCHEMA)
+
+
+def rows_with_reasons(decoded: DataFrame, table: str) -> DataFrame:
+    """A table's decoded rows (lib/lake/decode.py) in the log's layout (no _seq yet), plus why a row cannot be
+    merged (__reason, __detail: dead letters, with their raw __k and __v): one layout for every table."""
+    env = F.col("__env")
+    return decoded.select(
+        F.lit(table).alias("_table"), F.to_variant_object(F.col("__key")).alias("key"), env["op"].alias("op"),
+        F.to_variant_object(env["before"]).alias("before"), F.to_variant_object(env["after"]).alias("after"),
+        env["source"].alias("source"), env["ts_ms"].alias("ts_ms"), env["transaction"].alias("transaction"),
+        env["unchanged_cols"].alias("unchanged_cols"), F.col("__tomb").alias("_tombstone"),
+        F.col("__tlsn").alias("_tombstone_lsn"), F.col("__tserial").alias("_tombstone_serial"),
+        F.col("topic").alias("_kafka_topic"), F.col("partition").alias("_kafka_partition"),
+        F.col("offset").alias("_kafka_offset"), F.col("timestamp").alias("_kafka_timestamp"),
+        F.col("__kid").alias("_key_schema_id"), F.col("__vid").alias("_value_schema_id"),
+        F.col("__batch").alias("_batch_id"), "__reason", "__detail", "__k", "__v")
+
+
+def good(combined: DataFrame) -> DataFrame:
+    """The rows of rows_with_reasons that go to the log."""
+    return combined.filter(F.col("__reason").isNull()).select(*[f.name for f in SCHEMA.fields if f.name != "_seq"])
+
+
+def truncates(spark: SparkSession, path: str) -> dict[str, tuple]:
+    """The newest truncate the log holds per table: {table: (commit_lsn, event_serial, ts_ms)}."""
+    found = spark.read.format("delta").load(path).filter(F.col("op") == TRUNCATE_OP).groupBy("_table").agg(
+        F.max_by(F.struct(F.col("source.commit_lsn").alias("l"), F.col("source.event_serial").alias("s"),
+                          F.col("ts_ms").alias("t")), F.col("_seq")).alias("c")).collect()
+    return {row["_table"]: (row["c"]["l"], row["c"]["s"], row["c"]["t"]) for row in found}
+
+
+def truncate_rows(spark: SparkSession, cuts: dict[str, tuple], batch_id: int) -> DataFrame:
+    """One 't' row per table truncated since the last batch: {table: (commit_lsn, event_serial, ts_ms)}."""
+    source = [f.name for f in decode.SOURCE_TYPE.fields]
+    frames = []
+    for table, (lsn, serial, ts) in sorted(cuts.items()):
+        values = {name: None for name in source}
+        values.update(commit_lsn=int(lsn), event_serial=int(serial), ts_ms=int(ts) if ts is not None else None)
+        frames.append((table, TRUNCATE_OP, tuple(values[name] for name in source), values["ts_ms"], batch_id))
+    frame = spark.createDataFrame(frames, T.StructType([
+        T.StructField("_table", T.StringType()), T.StructField("op", T.StringType()),
+        T.StructField("source", decode.SOURCE_TYPE), T.StructField("ts_ms", T.LongType()),
+        T.StructField("_batch_id", T.LongType())]))
+    return frame.select(*[F.col(f.name) if f.name in frame.columns else F.lit(None).cast(f.dataType).alias(f.name)
+                          for f in SCHEMA.fields if f.name != "_seq"])
+
+
+def state(spark: SparkSession, path: str) -> State:
+    """The log's state from its newest commits (a log without commits: seq -1)."""
+    found = State()
+    if not delta_io.is_table(spark, path):
+        return found
+    for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select(
+            "userMetadata").collect():
+        meta = _metadata(row["userMetadata"])
+        if meta is None:
+            continue
+        if found.seq < 0:
+            found.seq, found.touched = int(meta["seq"]), {k: int(v) for k, v in meta.get("touched", {}).items()}
+        found.batches.setdefault(meta["merge_batch"], int(meta["batch"]))
+    return found
+
+
+def _metadata(text: str | None) -> dict | None:
+    """A log commit's userMetadata, or None for a commit the merge did not write (OPTIMIZE, table creation)."""
+    try:
+        meta = json.loads(text or "{}")
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) and "seq" in meta and "merge_batch" in meta else None
+
+
+def append(spark: SparkSession, path: str, frame: DataFrame, log_state: State, marker: str, batch_id: int,
+           tables: set[str]) -> bool:
+    """Append frame as the log's next commit (its _seq), once per micro-batch; False when already there.
+
+    A micro-batch the log holds already (a retried batch after a crash past the commit) is not
+    appended again: its marker and batch id are in the commit's userMetadata.
+    """
+    if log_state.batches.get(marker, -1) >= batch_id:
+        return False
+    seq = log_state.seq + 1
+    touched = {**log_state.touched, **{table: seq for table in tables}}
+    meta = {"merge_batch": marker, "batch": batch_id, "seq": seq, "touched": touched}
+    frame.withColumn("_seq", F.lit(seq).cast("long")).write.format("delta").mode("append") \
+        .option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
+    log_state.seq, log_state.touched, log_state.batches[marker] = seq, touched, batch_id
+    return True
+
+
+def events(spark: SparkSession, path: str, table: str, after_seq: int, upto_seq: int, key: T.StructType,
+           row: T.StructType) -> DataFrame:
+    """A table's log rows with after_seq < _seq <= upto_seq, shaped like decode's output (typed again).
+
+    What silver_table.merge_source reads: __key, __env (before, after, source, op, unchanged_cols), __tomb,
+    __tlsn, __tserial, partition, offset, timestamp, __reason (always null: dead letters never reach the log).
+    """
+    log = spark.read.format("delta").load(path).filter(
+        (F.col("_table") == table) & (F.col("_seq") > after_seq) & (F.col("_seq") <= upto_seq)
+        & ((F.col("op") != TRUNCATE_OP) | F.col("op").isNull()))
+    env = F.struct(F.col("before").cast(row).alias("before"), F.col("after").cast(row).alias("after"),
+                   F.col("source"), F.col("op"), F.col("ts_ms"), F.col("transaction"),
+                   F.coalesce(F.col("unchanged_cols"), F.array().cast("array<string>")).alias("unchanged_cols"))
+    return log.select(
+        F.col("key").cast(key).alias("__key"), env.alias("__env"), F.col("_tombstone").alias("__tomb"),
+        F.col("_tombstone_lsn").alias("__tlsn"), F.col("_tombstone_serial").alias("__tserial"),
+        F.col("_kafka_partition").alias("partition"), F.col("_kafka_offset").alias("offset"),
+        F.col("_kafka_timestamp").alias("timestamp"), F.lit(None).cast("string").alias("__reason"),
+        F.col("_value_schema_id").alias("__vid"), F.col("_key_schema_id").alias("__kid"))
+
+
+def relation(source: str, table: str, key: T.StructType, row: T.StructType) -> str:
+    """SQL of a table's part of the log (source: how SQL names the log, e.g. delta.`<path>`), typed as the views
+    read it: key, before and after as structs, every other column as stored."""
+    typed = {"key": key, "before": row, "after": row}
+    columns = ", ".join(f"CAST({quote(f.name)} AS {delta_io.sql_type(typed[f.name])}) AS {quote(f.name)}"
+                        if f.name in typed else quote(f.name) for f in SCHEMA.fields)
+    return f"(SELECT {columns} FROM {source} WHERE `_table` = {delta_io.literal(table)})"
+

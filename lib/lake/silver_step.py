@@ -1,0 +1,131 @@
+"""Silver on its own cadence: each table's bronze log events it has not applied, in one position-guarded MERGE.
+
+A step reads the log's state (its last commit, and per table the last commit holding one of its events),
+and for every table whose events silver has not applied yet MERGEs the log rows after silver's recorded
+commit up to that last one. The MERGE's own commit records the log commit it reached (userMetadata
+{"bronze_seq": n}), so a step repeated after a crash reads the same rows again and changes nothing, and
+no event is skipped: what silver applied is a log commit number, never a source position (rows reach the
+log out of LSN order: an incremental re-read carries an older position than the stream's newest events).
+
+The merge service runs a step every ``merge.silver_interval``, sooner for a table whose pending events pass
+``merge.silver_pending_events``, and a catch-up (merge.run_until_caught_up) runs one at its end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from lib import config
+from lib.lake import bronze_log, delta_io, lake_paths, micro_batch, silver_table, writer_schemas
+from lib.lake.lake_paths import quote
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """What a process knows of silver between steps: the log commit each table reached, the truncates applied."""
+
+    conf: dict
+    schemas: writer_schemas.Schemas
+    applied: dict[str, int] = field(default_factory=dict)
+    truncates: dict[str, tuple] = field(default_factory=dict)
+    ready: dict = field(default_factory=dict)  # silver path -> {row, filled}
+    last_cleanup: float = field(default_factory=time.monotonic)
+    last_compaction: float = field(default_factory=time.monotonic)
+    history: list[dict] = field(default_factory=list)
+
+
+def progress(conf: dict) -> Progress:
+    """A new Progress for conf (read from the tables on first use)."""
+    return Progress(conf=conf, schemas=writer_schemas.Schemas(conf))
+
+
+def pending(spark: SparkSession, prog: Progress, log_state: bronze_log.State | None = None) -> dict[str, int]:
+    """Per configured table with events silver has not applied: the log commits it is behind (0: only a truncate)."""
+    conf = prog.conf
+    state = log_state or bronze_log.state(spark, lake_paths.bronze_path(conf))
+    behind = {}
+    for spec in lake_paths.table_specs(conf):
+        done = _applied(spark, prog, spec)
+        touched = state.touched.get(spec.qualified, -1)
+        if touched > done:
+            behind[spec.qualified] = touched - done
+    return behind
+
+
+def _applied(spark: SparkSession, prog: Progress, spec) -> int:
+    if spec.qualified not in prog.applied:
+        prog.applied[spec.qualified] = silver_table.applied_seq(spark, lake_paths.silver_path(prog.conf, spec))
+    return prog.applied[spec.qualified]
+
+
+def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: list[str] | None = None) -> dict:
+    """Bring silver up to the bronze log for every table (or those named) that has events it has not applied.
+
+    Returns {'seq': the log commit reached, 'tables': {table: {'events': n, 'seconds': s}}}.
+    """
+    prog = prog or progress(conf)
+    began = time.monotonic()
+    path = lake_paths.bronze_path(conf)
+    result = {"seq": -1, "tables": {}}
+    if not delta_io.is_table(spark, path):
+        return result
+    state = bronze_log.state(spark, path)
+    result["seq"] = state.seq
+    cuts = micro_batch.truncates(conf)
+    for spec in lake_paths.table_specs(conf):
+        if tables is not None and spec.qualified not in tables:
+            continue
+        done = _applied(spark, prog, spec)
+        touched = state.touched.get(spec.qualified, -1)
+        if touched <= done:
+            continue
+        started = time.monotonic()
+        silver = lake_paths.silver_path(conf, spec)
+        cut = cuts.get(spec.qualified)
+        pending_cut = cut if cut is not None and prog.truncates.get(spec.qualified) != cut \
+            and silver_table.truncate_pending(spark, silver, cut) else None
+        layout = writer_schemas.table_layout(spark, prog.schemas, spec, set(), set())
+        events = bronze_log.events(spark, path, spec.qualified, done, state.seq, layout.key, layout.row)
+        counts = events.agg(F.count(F.lit(1)).alias("n"),
+                            F.count(F.when(F.size("__env.unchanged_cols") > 0, 1)).alias("toast")).collect()[0]
+        if counts["n"] or pending_cut is not None:
+            source = silver_table.merge_source(events, layout, cut[:2] if cut else None, toast=counts["toast"] > 0)
+            silver_table.merge_silver(spark, silver, spec, layout, source, pending_cut, state.seq, prog.ready)
+        else:  # only a truncate silver had applied already: record the commit reached all the same
+            silver_table.record_applied(spark, silver, spec, state.seq)
+        prog.applied[spec.qualified] = state.seq
+        if cut is not None:
+            prog.truncates[spec.qualified] = cut
+        result["tables"][spec.qualified] = {"events": int(counts["n"]), "seconds": round(time.monotonic() - started,
+                                                                                        2)}
+    _maintain(conf, spark, prog, path)
+    result["seconds"] = round(time.monotonic() - began, 2)
+    if result["tables"]:
+        log.info("silver step to bronze commit %s: %s", state.seq, result["tables"])
+        prog.history = (prog.history + [{**result, "at": time.time()}])[-100:]
+    return result
+
+
+def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> None:
+    """Now and then: remove old soft tombstones from silver, compact the bronze log's small files."""
+    minutes = float(config.get(conf, "merge.cleanup_interval_minutes"))
+    if minutes > 0 and time.monotonic() - prog.last_cleanup >= minutes * 60:
+        silver_table.cleanup_tombstones(conf, spark)
+        prog.last_cleanup = time.monotonic()
+    minutes = float(config.get(conf, "merge.compact_interval_minutes"))
+    if minutes > 0 and time.monotonic() - prog.last_compaction >= minutes * 60:
+        compact(spark, path)
+        prog.last_compaction = time.monotonic()
+
+
+def compact(spark: SparkSession, path: str) -> dict:
+    """OPTIMIZE the bronze log: one commit per trigger leaves many small files; a reader opens fewer after it."""
+    metrics = spark.sql(f"OPTIMIZE delta.{quote(path)}").collect()[0].asDict(recursive=True).get("metrics") or {}
+    return {"files_added": metrics.get("numFilesAdded"), "files_removed": metrics.get("numFilesRemoved")}
