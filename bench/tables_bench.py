@@ -14,12 +14,14 @@ temporary folder, all removed at the end. The database holds schema ``estate``: 
   then ``big``: 51 is all small ones plus the large one) and each ``--events`` count, a server-side
   procedure writes that many row changes (upserts on a key space twice the table, every tenth
   transaction a delete; 100 rows per transaction) spread round-robin over the n tables; once the slot
-  has confirmed them, ``run_until_caught_up`` is timed;
-- **churn**: the continuous merge (``merge.start``, processing-time trigger of 1 s) runs while the
-  procedure writes ``--churn-rate`` rows/s over every table for ``--churn-seconds``; sampled each
-  second: the messages Kafka holds (the capture's output) and those the merge's checkpoint has
-  finished. Reported: the capture's and the merge's messages/s over the writes, the largest lag, the
-  lag when the writes stop and how long the merge then takes to drain it.
+  has confirmed them, the bronze step (``run_until_caught_up(silver=False)``) is timed, with the seconds
+  of its micro-batches (what a trigger touching n tables costs), then the silver step that follows it;
+- **churn**: the continuous merge (``merge.start``, processing-time trigger of 1 s, and the service's
+  silver cadence beside it, lib/operate/workers.py SilverCadence) runs while the procedure writes
+  ``--churn-rate`` rows/s over every table for ``--churn-seconds``; sampled each second: the messages
+  Kafka holds (the capture's output) and those the bronze query's checkpoint has finished. Reported: the
+  capture's and bronze's messages/s over the writes, the largest lag, the lag when the writes stop, how
+  long bronze then takes to drain it, and when silver has applied everything (monitor.silver_behind).
 
 Messages are Kafka records (a delete is an event plus a tombstone), counted from the topics' end offsets,
 so both halves are counted in the same unit.
@@ -41,7 +43,7 @@ import bench_env  # noqa: E402 - the sibling module, found through the path set 
 from lib import config, source  # noqa: E402
 from lib import spark as spark_session  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
-from lib.lake import lake_paths, merge  # noqa: E402
+from lib.lake import lake_paths, merge, silver_step  # noqa: E402
 
 SCHEMA_SQL = """
 CREATE SCHEMA estate;
@@ -132,36 +134,47 @@ def caught_up(conf: dict) -> None:
 
 
 def timed_catch_up(conf: dict, spark, label: str, log) -> dict:
-    """run_until_caught_up, timed; what it merged."""
+    """The bronze step to Kafka's end (timed, with its micro-batches' seconds), then the silver step, timed."""
     before = bench_env.committed_offsets(conf)
     ends = bench_env.topic_ends(conf, [s.topic for s in lake_paths.table_specs(conf)])
     pending = bench_env.behind(ends, before)
     began = time.monotonic()
-    done = merge.run_until_caught_up(conf, spark, cleanup=False)
+    done = merge.run_until_caught_up(conf, spark, cleanup=False, silver=False)
     seconds = time.monotonic() - began
     left = bench_env.behind(ends, bench_env.committed_offsets(conf))
     if left:
         raise RuntimeError(f"{label}: the merge stopped with {left} message(s) left")
+    began = time.monotonic()
+    step = silver_step.run(conf, spark)
+    silver_s = time.monotonic() - began
     row = {"label": label, "messages": pending, "seconds": seconds, "batches": done["batches"],
-           "rate": pending / seconds if seconds else 0.0}
-    log(f"{label}: {pending:,} messages in {seconds:.1f} s over {done['batches']} batch(es), {row['rate']:,.0f}/s")
+           "batch_seconds": [round(b, 2) for b in done["batch_seconds"] if b is not None],
+           "rate": pending / seconds if seconds else 0.0, "silver_s": silver_s, "silver_tables": len(step["tables"])}
+    log(f"{label}: bronze {pending:,} messages in {seconds:.1f} s over {done['batches']} batch(es) "
+        f"{row['batch_seconds']}, {row['rate']:,.0f}/s; silver step {silver_s:.1f} s over {row['silver_tables']} "
+        f"table(s)")
     return row
 
 
 def run_churn(conf: dict, spark, tables: list[str], seconds: float, rate: float, log) -> dict:
-    """The continuous merge beside a churn; sampled every second (see the module doc)."""
+    """The continuous merge (bronze query and silver cadence) beside a churn; sampled every second."""
+    from lib.operate import monitor, workers
+
     topics = [s.topic for s in lake_paths.table_specs(conf)]
     start_msgs = messages(conf)
     query = merge.start(conf, spark, trigger="processing_time", interval="1 second")
+    cadence = workers.SilverCadence(conf, spark, log)
+    cadence.follow(query.merge_context)
     samples = []
     try:
         writer = threading.Thread(target=churn, args=(conf, int(rate * seconds), rate, tables, 20), daemon=True)
         began = time.monotonic()
         writer.start()
-        wrote_until = captured_at = None
+        wrote_until = captured_at = bronze_at = silver_at = None
         while True:
             if query.exception() is not None:
                 raise RuntimeError(f"the merge query failed: {query.exception()}")
+            cadence.raise_failure()
             ends = bench_env.topic_ends(conf, topics)
             lag = bench_env.behind(ends, bench_env.committed_offsets(conf))
             now = time.monotonic() - began
@@ -171,56 +184,54 @@ def run_churn(conf: dict, spark, tables: list[str], seconds: float, rate: float,
                 caught_up(conf)
                 captured_at = time.monotonic() - began
                 lag_at_end = bench_env.behind(bench_env.topic_ends(conf, topics), bench_env.committed_offsets(conf))
-                log(f"churn: writes ended after {wrote_until:.1f} s, captured by {captured_at:.1f} s, merge lag "
+                log(f"churn: writes ended after {wrote_until:.1f} s, captured by {captured_at:.1f} s, bronze lag "
                     f"{lag_at_end:,} messages")
-            if wrote_until is not None and lag == 0:
+            if wrote_until is not None and lag == 0 and bronze_at is None:
+                bronze_at = time.monotonic() - began
+            if bronze_at is not None and not monitor.silver_behind(conf):
+                silver_at = time.monotonic() - began
                 break
             time.sleep(1.0)
-        drained = time.monotonic() - began
     finally:
         query.stop()
-    for batch in query.merge_context.history:
-        log(f"  batch {batch['batch_id']}: {batch_messages(batch):,} messages in {batch.get('seconds', 0):.1f} s; "
-            f"{where_time_goes(batch)}")
+        cadence.stop()
+    for batch in query.merge_context.history[-10:]:
+        log(f"  batch {batch['batch_id']}: {batch_messages(batch):,} messages of {len(batch['tables'])} table(s) in "
+            f"{batch.get('seconds', 0):.1f} s")
     total = samples[-1][1]
     merged_by_end = max((m - lag for t, m, lag in samples if t <= captured_at), default=0)
-    return {"messages": total, "wrote_s": wrote_until, "captured_s": captured_at, "drained_s": drained,
+    return {"messages": total, "wrote_s": wrote_until, "captured_s": captured_at, "drained_s": bronze_at,
             "capture_rate": total / captured_at, "merge_rate_during": merged_by_end / captured_at,
-            "merge_rate": total / drained, "max_lag": max(lag for _, _, lag in samples), "lag_at_end": lag_at_end,
-            "drain_after_s": drained - captured_at, "batches": len(query.merge_context.history)}
+            "merge_rate": total / bronze_at, "max_lag": max(lag for _, _, lag in samples), "lag_at_end": lag_at_end,
+            "drain_after_s": bronze_at - captured_at, "silver_after_s": silver_at - captured_at,
+            "silver_steps": cadence.steps, "batches": len(query.merge_context.history)}
 
 
 def batch_messages(batch: dict) -> int:
-    """Kafka records a micro-batch merged (events, tombstones, dead letters)."""
+    """Kafka records a micro-batch took (events, tombstones, dead letters)."""
     return sum(c.get("events", 0) + c.get("tombstones", 0) + c.get("dead_letters", 0) for c in batch["tables"].values())
-
-
-def where_time_goes(batch: dict) -> str:
-    """A batch's Delta writes: summed seconds of the bronze appends and the silver MERGEs, and the slowest MERGE."""
-    timings = batch.get("seconds_by_table", {})
-    slowest = max(timings.items(), key=lambda item: item[1].get("silver_s", 0), default=(None, {}))
-    return (f"bronze appends {sum(t.get('bronze_s', 0) for t in timings.values()):.1f} s, silver MERGEs "
-            f"{sum(t.get('silver_s', 0) for t in timings.values()):.1f} s over {len(timings)} tables (run "
-            f"side by side), slowest MERGE {slowest[0]} {slowest[1].get('silver_s', 0):.1f} s")
 
 
 def report(args, rows: list[dict], churned: dict | None, load_before: str, load_after: str) -> str:
     """The results as Markdown for docs/benchmarks.md."""
     lines = [f"machine before: {load_before}; after: {load_after}", "",
-             "| run | messages | catch-up | micro-batches | messages/s |", "|---|---|---|---|---|"]
+             "| run | messages | bronze catch-up | micro-batches (s each) | messages/s | silver step | tables |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['messages']:,} | {r['seconds']:.1f} s | {r['batches']} | "
-                     f"{r['rate']:,.0f} |")
+        lines.append(f"| {r['label']} | {r['messages']:,} | {r['seconds']:.1f} s | {r['batches']} "
+                     f"({', '.join(f'{b:.1f}' for b in r['batch_seconds'])}) | {r['rate']:,.0f} | "
+                     f"{r['silver_s']:.1f} s | {r['silver_tables']} |")
     if churned:
         c = churned
         head = f"churn over {args.small + 1} tables at {args.churn_rate:,.0f} rows/s for {args.churn_seconds:g} s:"
         lines += ["", head, "",
-                  "| messages | capture messages/s | merge messages/s during the writes | merge messages/s to drained "
-                  "| largest lag | lag when captured | drain after | micro-batches |",
-                  "|---|---|---|---|---|---|---|---|",
+                  "| messages | capture messages/s | bronze messages/s during the writes | largest lag | "
+                  "lag when captured | bronze drained after | silver caught up after | micro-batches | silver steps |",
+                  "|---|---|---|---|---|---|---|---|---|",
                   f"| {c['messages']:,} | {c['capture_rate']:,.0f} | {c['merge_rate_during']:,.0f} "
-                  f"({c['merge_rate_during'] / c['capture_rate']:.2f}×) | {c['merge_rate']:,.0f} | {c['max_lag']:,} | "
-                  f"{c['lag_at_end']:,} | {c['drain_after_s']:.1f} s | {c['batches']} |"]
+                  f"({c['merge_rate_during'] / c['capture_rate']:.2f}×) | {c['max_lag']:,} | "
+                  f"{c['lag_at_end']:,} | {c['drain_after_s']:.1f} s | {c['silver_after_s']:.1f} s | {c['batches']} | "
+                  f"{c['silver_steps']} |"]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +44,54 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(_scope(item.path), len(FIRST)))  # stable: order inside a module kept
 
 
+# The notebooks under nbval run on a pipeline of their own, torn down before the first one runs, so whatever an
+# earlier `make demo` or benchmark left on the stack (an invalidated slot cdc_bank, a used lake) cannot fail them
+NOTEBOOK_PIPELINE = {"CDC__SOURCE__SLOT": "cdc_nbtest", "CDC__SOURCE__PUBLICATION": "cdc_nbtest",
+                     "CDC__KAFKA__TOPIC_PREFIX": "nbtest", "CDC__LAKE__ROOT": ".stack/nbtest/lake",
+                     "CDC__SERVICE__DIR": ".stack/nbtest/pipeline"}
+
+
+def _fresh_notebook_pipeline() -> None:
+    """Tear down the notebooks' own pipeline (slot, publication, topics, subjects, lake) left by an earlier run."""
+    conf = config.load("local", environ={**os.environ, **NOTEBOOK_PIPELINE})
+    stack.up(conf, log=lambda line: None)
+    teardown.run(conf, topics=True, confirm=True, log=lambda line: None)
+    for key in ("lake.root", "service.dir"):
+        shutil.rmtree(config.location(config.get(conf, key)), ignore_errors=True)
+
+
+class NotebookPipeline:
+    """Before a notebook's kernel starts, its environment names the notebooks' pipeline (fresh on the first);
+    after each cell the worker's own environment is back. A plugin, not conftest hooks: those see tests/ only."""
+
+    def __init__(self):
+        self.fresh, self.saved = False, None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        if item.path.suffix != ".ipynb":
+            return
+        if not self.fresh:
+            _fresh_notebook_pipeline()
+            self.fresh = True
+        self.saved = {key: os.environ.get(key) for key in NOTEBOOK_PIPELINE}
+        os.environ.update(NOTEBOOK_PIPELINE)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(self, item):
+        for key, value in (self.saved or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self.saved = None
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(NotebookPipeline(), "cdc-notebook-pipeline")
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist (make test: -n 2) keeps each module, and the notebooks together, on one worker."""
     from xdist.scheduler import LoadScopeScheduling

@@ -137,7 +137,10 @@ def test_every_module_attribute_used_exists():
                 aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
                                 if f"{node.module}.{a.name}" in known})
         defined = {alias: top_level_names(known[name]) for alias, name in aliases.items()}
+        shadowed = {id(node) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for node in ast.walk(f) if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in {a.arg for a in f.args.args + f.args.kwonlyargs}}  # a parameter, not a module
         missing += [f"{path.name}:{node.lineno} {node.value.id}.{node.attr}" for node in ast.walk(tree)
-                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and id(node) not in shadowed
                     and node.value.id in defined and node.attr not in defined[node.value.id]]
     assert missing == []

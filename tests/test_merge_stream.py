@@ -15,7 +15,7 @@ from psycopg2 import sql
 
 from lib import config, control, schema_registry, topics
 from lib.capture import avro_schemas, catalog, pgtypes
-from lib.lake import browse, lake_paths, merge, micro_batch, reconcile
+from lib.lake import browse, lake_paths, merge, micro_batch, reconcile, silver_step, silver_table
 
 pytestmark = pytest.mark.stack
 
@@ -162,3 +162,39 @@ def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_c
     result = reconcile.reconcile(conf, spark, conn=source_conn)[0]
     assert not result["equal"] and (result["source_rows"], result["silver_rows"]) == (39, 40)
     assert result["differences"] == [{"id": 7, "kind": "different"}, {"id": 8, "kind": "extra_in_silver"}]
+
+
+@pytest.mark.parametrize("cut", ["before its commit", "after its commit"])
+def test_a_silver_step_cut_short_is_completed_by_the_next_one_exactly(stream_conf, source_conn, spark_session,
+                                                                       monkeypatch, cut):
+    """A silver step killed before its MERGE commits leaves silver as it was; killed after, its commit already
+    records the bronze log commit it reached. Either way the next step (a new process) ends exact."""
+    conf, spark = stream_conf, spark_session
+    table = catalog.describe_tables(source_conn, ["mstream.accounts"])["mstream.accounts"]
+    capture = Capture(conf, source_conn, table)
+    base = 5000 if cut == "before its commit" else 6000
+    with source_conn.cursor() as cur:
+        cur.execute(f"UPDATE mstream.accounts SET note = 'step {base}' WHERE id <= 9")
+    now = capture.rows()
+    for key in sorted(now):  # every row as it is now (the first test left changes silver never saw)
+        capture.send("u", key, base + key, 0, now[key])
+    for key in set(range(1, 46)) - set(now):
+        capture.send("d", key, base + 100, key, None)
+    capture.flush()
+    merge.run_until_caught_up(conf, spark, cleanup=False, silver=False)
+    assert not reconcile.reconcile(conf, spark, conn=source_conn)[0]["equal"]  # bronze has it, silver not yet
+    real = silver_table.merge_silver
+
+    def killed(*args, **kwargs):
+        if cut == "after its commit":
+            real(*args, **kwargs)
+        raise RuntimeError(f"silver step killed {cut}")
+
+    monkeypatch.setattr(silver_table, "merge_silver", killed)
+    with pytest.raises(RuntimeError, match="silver step killed"):
+        silver_step.run(conf, spark)
+    monkeypatch.undo()
+    again = silver_step.run(conf, spark)  # a new process: what silver applied comes from its own commits
+    assert (again["tables"] != {}) == (cut == "before its commit"), again
+    result = reconcile.reconcile(conf, spark, conn=source_conn)
+    assert [(r["table"], r["equal"]) for r in result] == [("mstream.accounts", True)], result

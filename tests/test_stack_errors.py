@@ -91,13 +91,19 @@ def test_service_that_exits_during_startup_shows_its_log(tmp_path):
     assert process.read_pid(pid_file) == pid
 
 
-def test_stale_pid_file_is_an_error_with_the_fix_and_down_clears_it(tmp_conf):
+def test_stale_pid_file_shows_in_status_and_start_clears_it(tmp_conf, monkeypatch):
     where = kafka.files(stack.stack_dir(tmp_conf))
     where["pid"].parent.mkdir(parents=True)
     where["pid"].write_text(f"{dead_pid()}\n")
-    with pytest.raises(StackError, match=r"kafka: stale pid file .*kafka.pid .*run `make down`"):
-        kafka.start(tmp_conf, stack.stack_dir(tmp_conf), log=lambda line: None)
     assert kafka.status(tmp_conf, stack.stack_dir(tmp_conf))["state"] == "stale pid file"
+    with pytest.raises(StackError, match=r"kafka: stale pid file .*kafka.pid .*run `make down`"):
+        process.running_pid("kafka", where["pid"], kafka.MARKER)
+    lines = []
+    monkeypatch.setattr(process, "require_free_port", lambda *args: None)
+    assert process.claim("kafka", where["pid"], kafka.MARKER, [("127.0.0.1", 1, "kafka.port")], log=lines.append)
+    assert not where["pid"].exists()
+    assert "cleared a stale pid file" in lines[0] and "no longer runs kafka" in lines[0]
+    where["pid"].write_text(f"{dead_pid()}\n")
     kafka.stop(stack.stack_dir(tmp_conf), log=lambda line: None)
     assert not where["pid"].exists()
 

@@ -192,7 +192,7 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, s
             for key, value in counts.items():
                 if isinstance(value, int):
                     totals[key] = totals.get(key, 0) + value
-    return {"query": name, "batches": len(history), **totals, "bronze_seq": applied["seq"],
-            "silver_tables": len(applied["tables"])}
+    return {"query": name, "batches": len(history), **totals, "batch_seconds": [b.get("seconds") for b in history],
+            "bronze_seq": applied["seq"], "silver_tables": len(applied["tables"]), "silver_s": applied.get("seconds")}
 
 

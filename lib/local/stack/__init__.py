@@ -23,8 +23,9 @@ SERVICES = ("postgres", "kafka", "registry")
 
 
 def stack_dir(conf: dict) -> Path:
-    """The stack's folder, from stack.dir."""
-    return config.project_path(config.get(conf, "stack.dir"))
+    """The stack's folder, from stack.dir, resolved: a worktree whose .stack links to another's starts the same
+    services with the same settings (else each would restart the broker for its own paths)."""
+    return config.project_path(config.get(conf, "stack.dir")).resolve()
 
 
 def fetch_all(conf: dict, log=print) -> None:

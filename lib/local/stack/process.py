@@ -50,10 +50,16 @@ def running_pid(service: str, pid_file: Path, marker: str) -> int | None:
 
 
 def claim(service: str, pid_file: Path, marker: str, ports: list[tuple[str, int, str]], log=print) -> bool:
-    """False when the service already runs; otherwise True once each (host, port, setting) is free."""
-    if running_pid(service, pid_file, marker):
-        log(f"{service:9s} already running on port {ports[0][1]}")
-        return False
+    """False when the service already runs; otherwise True once each (host, port, setting) is free.
+    A pid file whose process is gone (a machine restart, a kill) is cleared: the ports say whether it still runs."""
+    try:
+        if running_pid(service, pid_file, marker):
+            log(f"{service:9s} already running on port {ports[0][1]}")
+            return False
+    except StackError:
+        log(f"{service:9s} cleared a stale pid file {pid_file} (pid {read_pid(pid_file)} no longer runs {service}: "
+            f"the machine restarted or the process was killed)")
+        pid_file.unlink(missing_ok=True)
     for host, port, setting in ports:
         require_free_port(service, host, port, setting)
     return True

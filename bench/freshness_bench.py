@@ -1,0 +1,182 @@
+"""Benchmark: commit -> the row in the fresh view, and commit -> the row in silver, with the continuous services
+started as `make run` starts them (the conf's defaults: service.merge_interval, merge.silver_interval_s).
+
+    .venv/bin/python bench/freshness_bench.py [--rate 10] [--seconds 60] [--tables 1 51]
+
+Per --tables count n (a database of its own, bench/bench_env.py, with n tables ``fresh.t01`` ... of 1,000 rows,
+bootstrapped, snapshotted, then the capture and merge services started with service.start): a writer commits
+one-row transactions at --rate per second for --seconds, round-robin over the n tables (so with 51 every
+trigger touches many tables). A row's commit time is when its COMMIT returned to the writer.
+
+- **fresh**: this process queries ``<t01>_fresh`` (the masked view, built once over this run's lake, in a
+  metastore of its own) in a loop, ``SELECT id ... WHERE id >= <the oldest row not seen yet>``; a row's
+  latency is the end of the first query that returned it minus its commit time, so a query's own duration is
+  counted, as an analyst waits for it;
+- **silver**: a thread reads t01's silver table with delta-rs (``deltalake``, outside Spark) every 0.2 s;
+  latency = the end of the first read that holds the row minus its commit time.
+
+Reported per n: p50, p90, p99 and max of both, the queries' own durations, and the merge's CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import deltalake
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_env  # noqa: E402 - the sibling module, found through the path set above
+
+from lib import config, source  # noqa: E402
+from lib import spark as spark_lib  # noqa: E402
+from lib.capture import bootstrap, snapshot  # noqa: E402
+from lib.lake import lake_paths  # noqa: E402
+from lib.operate import metrics, monitor, service  # noqa: E402
+from lib.views import masking  # noqa: E402
+
+
+def schema_sql(n: int) -> str:
+    """n tables of 1,000 rows, ids from 1; the benchmark's rows come from 1,000,001 on."""
+    return "CREATE SCHEMA fresh;\n" + "\n".join(
+        f"CREATE TABLE fresh.t{i:02d} (id bigint PRIMARY KEY, v text, at timestamptz DEFAULT now());\n"
+        f"INSERT INTO fresh.t{i:02d} SELECT g, md5(g::text) FROM generate_series(1, 1000) g;" for i in range(1, n + 1))
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    pick = lambda p: ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]  # noqa: E731
+    return {"n": len(values), "p50": pick(50), "p90": pick(90), "p99": pick(99), "max": ordered[-1],
+            "mean": statistics.fmean(values)}
+
+
+def run(n: int, args, log) -> dict:
+    """One measurement with n tables; everything it made is removed at the end."""
+    folder = tempfile.mkdtemp(prefix="cdc-fresh-bench-")
+    tables = [f"fresh.t{i:02d}" for i in range(1, n + 1)]
+    conf = bench_env.isolated(tables, {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
+                                       "CDC__SERVICE__DIR": os.path.join(folder, "services")},
+                              schema_sql=schema_sql(n), schemas=("fresh",))
+    spark = None
+    try:
+        spark = spark_lib.from_conf(spark_lib.with_metastore(conf, os.path.join(folder, "metastore")))
+        bootstrap.run(conf, log=lambda *a: None)
+        snapshot.run(conf, spark, log=lambda *a: None)
+        started = time.time()
+        service.start(conf, log=lambda *a: None)
+        monitor.wait_until_recording(conf, since=started, timeout_s=600)
+        monitor.wait_until_caught_up(conf, timeout_s=900)
+        policy = {"default": "keep", "database": f"fresh_v_{n}", "privileged_database": f"fresh_p_{n}"}
+        masking.create_views(conf, spark, policy, tables=["fresh.t01"])
+        view = masking.view(conf, "fresh.t01", "fresh", policy)
+        silver_path = lake_paths.silver_path(conf, lake_paths.table_spec(conf, "fresh.t01"))
+        committed: dict[int, float] = {}
+        seen_fresh: dict[int, float] = {}
+        seen_silver: dict[int, float] = {}
+        query_s: list[float] = []
+        writing, stop = threading.Event(), threading.Event()
+
+        def write() -> None:
+            conn = source.connect(conf, admin=True)
+            conn.autocommit = True
+            begin, i = time.monotonic(), 0
+            with conn.cursor() as cur:
+                while time.monotonic() - begin < args.seconds:
+                    due = begin + i / args.rate
+                    time.sleep(max(0.0, due - time.monotonic()))
+                    table = tables[i % n]
+                    row = 1_000_001 + i // n
+                    cur.execute(f"INSERT INTO {table} (id, v) VALUES (%s, 'bench')", (row,))
+                    if table == "fresh.t01":
+                        committed[row] = time.time()
+                    i += 1
+            conn.close()
+            writing.clear()
+
+        def watch_silver() -> None:
+            while not stop.is_set():
+                try:
+                    ids = deltalake.DeltaTable(silver_path).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+                except Exception:  # noqa: BLE001 - a read during a commit: the next one
+                    ids = []
+                now = time.time()
+                for row in ids:
+                    if row > 1_000_000 and row not in seen_silver:
+                        seen_silver[row] = now
+                time.sleep(0.2)
+
+        writing.set()
+        threads = [threading.Thread(target=write, daemon=True), threading.Thread(target=watch_silver, daemon=True)]
+        cpu_before = bench_env.cpu_seconds(conf)
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + args.seconds + float(config.get(conf, "merge.silver_interval_s")) + 60
+        while time.monotonic() < deadline:
+            waiting = [row for row in committed if row not in seen_fresh]
+            if not writing.is_set() and not waiting and len(seen_silver) >= len(committed):
+                break
+            low = min(waiting) if waiting else 1_000_001
+            began = time.time()
+            ids = [r["id"] for r in spark.sql(f"SELECT id FROM {view} WHERE id >= {low}").collect()]
+            done = time.time()
+            query_s.append(done - began)
+            for row in ids:
+                seen_fresh.setdefault(row, done)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        cpu_after = bench_env.cpu_seconds(conf)
+        fresh = [seen_fresh[r] - committed[r] for r in committed if r in seen_fresh]
+        silver = [seen_silver[r] - committed[r] for r in committed if r in seen_silver]
+        history = metrics.history(conf)
+        merge_rows = history[history["service"] == "merge"]
+        result = {"tables": n, "rows_watched": len(committed), "fresh": percentiles(fresh),
+                  "silver": percentiles(silver), "query_s": percentiles(query_s),
+                  "missing_fresh": len(committed) - len(fresh), "missing_silver": len(committed) - len(silver),
+                  "silver_steps": int(merge_rows["silver_steps"].max()) if "silver_steps" in merge_rows else None,
+                  "cpu_s": {k: round(cpu_after.get(k, 0) - cpu_before.get(k, 0), 1) for k in cpu_after}}
+        f, s = (result[part] for part in ("fresh", "silver"))
+        log(f"{n} table(s): fresh p50 {f.get('p50', float('nan')):.2f} s p99 {f.get('p99', float('nan')):.2f} s; "
+            f"silver p50 {s.get('p50', float('nan')):.2f} s p99 {s.get('p99', float('nan')):.2f} s")
+        return result
+    finally:
+        service.stop(conf, log=lambda *a: None)
+        bench_env.finish(conf, folder, spark, log=log)
+
+
+def report(args, results: list[dict], before: str, after: str) -> str:
+    lines = [f"freshness: {args.rate:g} one-row transactions/s for {args.seconds:g} s, defaults of conf/local.yml; "
+             f"load before {before}, after {after}", "",
+             "| tables written | fresh p50 | fresh p90 | fresh p99 | fresh max | silver p50 | silver p90 | "
+             "silver p99 | fresh query p50 | rows | silver steps | CPU s (stack and services) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        f, s, q = r["fresh"], r["silver"], r["query_s"]
+        lines.append(f"| {r['tables']} | {f.get('p50', 0):.2f} s | {f.get('p90', 0):.2f} s | {f.get('p99', 0):.2f} s | "
+                     f"{f.get('max', 0):.2f} s | {s.get('p50', 0):.2f} s | {s.get('p90', 0):.2f} s | "
+                     f"{s.get('p99', 0):.2f} s | {q.get('p50', 0):.2f} s | {r['rows_watched']} | {r['silver_steps']} | "
+                     f"{sum(r['cpu_s'].values()):.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=10.0, help="one-row transactions per second")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--tables", type=int, nargs="+", default=[1, 51])
+    args = parser.parse_args(argv)
+    before = bench_env.machine()
+    results = [run(n, args, print) for n in args.tables]
+    print(report(args, results, before, bench_env.machine()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Count the processes a command starts, by kind: Spark drivers, other JVMs, notebook kernels, services.
+
+    python bench/suite_census.py -- make test
+
+Polls /proc every 0.2 s while the command runs (a JVM or a kernel lives seconds at least, so none is
+missed), prints the command's exit status, wall time, CPU seconds of the whole machine and one line per
+kind. docs/testing.md keeps its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+KINDS = [  # (kind, a string of the command line that names it), first match wins
+    ("spark driver", "org.apache.spark.deploy.SparkSubmit"),
+    ("kafka connect (debezium)", "ConnectDistributed"),
+    ("kafka broker", "kafka.Kafka "),
+    ("registry", "apicurio-registry"),
+    ("other jvm", "/bin/java"),
+    ("notebook kernel", "ipykernel_launcher"),
+    ("capture or merge service", "lib.operate.service run"),
+    ("postgres server", "postgres -D"),
+]
+
+
+def kind_of(cmdline: str) -> str | None:
+    """The kind of a process from its command line, or None when it is none of KINDS."""
+    return next((kind for kind, marker in KINDS if marker in cmdline), None)
+
+
+def cmdlines() -> dict[int, str]:
+    """pid -> command line of every process now."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+    return found
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds every core spent busy since boot (user, nice, system, irq, softirq, steal)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    seen, counts = set(cmdlines()), Counter()
+    print("load average before:", " ".join(f"{v:.2f}" for v in os.getloadavg()), flush=True)
+    cpu0, t0 = machine_cpu_s(), time.monotonic()
+    child = subprocess.Popen(command)
+    while child.poll() is None:
+        for pid, cmdline in cmdlines().items():
+            if pid not in seen:
+                seen.add(pid)
+                kind = kind_of(cmdline)
+                if kind:
+                    counts[kind] += 1
+        time.sleep(0.2)
+    wall, cpu = time.monotonic() - t0, machine_cpu_s() - cpu0
+    print("load average after: ", " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print(f"exit {child.returncode}, wall {wall:.0f} s, machine CPU {cpu:.0f} s ({cpu / wall:.2f} cores busy)")
+    for kind, _ in KINDS:
+        print(f"  {kind:26s} {counts[kind]:4d} started")
+    return child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
