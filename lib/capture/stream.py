@@ -316,6 +316,9 @@ def _loop(st: State) -> None:
 def _handle(st: State, message: tuple[int, bytes]) -> None:
     """Dispatch one replication message (data start, payload)."""
     data_start, payload = message
+    if payload and payload[0] in changes.ROW_CHANGES and not st.decoder.in_stream \
+            and changes.change_raw(st, payload, data_start):
+        return
     if st.decoder.in_stream and payload[0] in streamed_transactions.SPOOLED:
         try:
             spool = st.spools.files[st.spools.xid][0]
