@@ -35,11 +35,14 @@ system:  ## Debian packages: a PostgreSQL server (Debian's default major), Java 
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$${missing[@]}"
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml setup.py lib/capture/_native.pyx
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	# builds the capture's compiled hot path (Cython, a C compiler); without them the install goes on without it
+	rm -f lib/capture/_native*.so
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -c 'from lib.capture import native; print("capture   " + native.REASON)'
 	touch $(STAMP)
 
 fetch: $(STAMP)  ## Kafka, Apicurio Registry and Spark's Delta/Kafka/Avro jars into .stack/cache

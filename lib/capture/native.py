@@ -20,7 +20,8 @@ try:
     REASON = "compiled (lib/capture/_native.pyx)"
 except ImportError as exc:  # not built: a pure wheel, no compiler, or a checkout before `make install`
     _native = None
-    REASON = f"pure Python (the compiled module is not built: {exc})"
+    REASON = (f"pure Python (the compiled module is not built: {exc}; make install builds it with Cython and a C "
+              f"compiler, e.g. apt-get install gcc python3-dev)")
 if _native is not None and os.environ.get("CDC_CAPTURE_COMPILED", "1") == "0":
     _native = None
     REASON = "pure Python (CDC_CAPTURE_COMPILED=0)"

@@ -28,6 +28,7 @@ from lib.capture import (
     delivery,
     incremental,
     incremental_chunks,
+    native,
     pgtypes,
     relations,
     replication,
@@ -199,7 +200,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     _remove_stale_spools(st.slot, spool_dir)  # only now: the slot is ours, no other capture of it runs
     st.spools.dir = tempfile.mkdtemp(prefix=f"cdc-stream-{st.slot}-", dir=spool_dir)
     st.log(f"stream    slot {st.slot} from {lsn_to_str(st.acks.acked)}, caught up at {lsn_to_str(st.acks.target)} "
-           f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']})")
+           f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']}; {native.REASON})")
 
 
 def _wait_for_slot(st: State, timeout_s: float = 20.0) -> tuple:
