@@ -13,7 +13,7 @@ PG_MAJORS_TEST := 13,18
 PG_MAJORS_ALL := 13,14,15,16,17,18
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test check compat lint jupyter clean run stop teardown faults
+.PHONY: install system fetch up down status logs sample demo test check compat lint jupyter clean run stop teardown faults bench
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
@@ -35,11 +35,14 @@ system:  ## Debian packages: a PostgreSQL server (Debian's default major), Java 
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$${missing[@]}"
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml setup.py lib/capture/_native.pyx
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	# builds the capture's compiled hot path (Cython, a C compiler); without them the install goes on without it
+	rm -f lib/capture/_native*.so
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -c 'from lib.capture import native; print("capture   " + native.REASON)'
 	touch $(STAMP)
 
 fetch: $(STAMP)  ## Kafka, Apicurio Registry and Spark's Delta/Kafka/Avro jars into .stack/cache
@@ -104,6 +107,9 @@ compat: up  ## the pipeline on every PostgreSQL major from 13 to 18 (servers sta
 
 faults: up  ## failure matrix under load (Kafka/PostgreSQL/registry down, kill -9, disk full...); docs/reliability.md
 	$(PY) bench/fault_matrix.py $(if $(CASES),--cases $(CASES)) $(if $(CYCLES),--cycles $(CYCLES))
+
+bench: up  ## the short benchmarks in one table, a few minutes: capture backlog (TLS and plain TCP), snapshot, merge catch-up
+	$(PY) bench/short.py
 
 jupyter: up  ## JupyterLab on the notebooks, with the stack running
 	$(PY) -m jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser

@@ -92,7 +92,7 @@ def throughput(conf: dict, backlog: int, tx_rows: int, writer_rate: float, log) 
         stream.run(conf, until="caught_up", heartbeat_s=10)
         bench_env.wait_confirmed(conf, leftover)
     log(f"capture: {result['events']:,} events in {elapsed:.1f} s = {out['rate']:,.0f} events/s, "
-        f"{out['cpu_us']:.0f} µs capture CPU per event (all its threads)"
+        f"{out['cpu_us']:.1f} µs capture CPU per event (all its threads)"
         + (f" (steady {out['steady']:,.0f}/s)" if out["steady"] else "")
         + (f"; writer achieved {out['writer_rate']:,.0f} rows/s" if out["writer_rate"] else ""))
     return out
@@ -272,7 +272,7 @@ def report(args, results: dict, load_before: str, load_after: str) -> str:
             steady = f", steady {r['steady']:,.0f}" if r["steady"] else ""
             met = "met" if r["rate"] >= 20_000 else "missed"
             rows.append(f"| {label} | {r['rate']:,.0f} events/s ({r['events']:,} events in {r['elapsed_s']:.1f} s"
-                        f"{steady}; {r['cpu_us']:.0f} µs CPU/event) | ≥ 20,000 events/s ({met}) |")
+                        f"{steady}; {r['cpu_us']:.1f} µs CPU/event) | ≥ 20,000 events/s ({met}) |")
     if "latency" in results:
         r = results["latency"]
         rows.append(f"| commit → consumer, writer at {r['rate']:,.0f} rows/s in {r['tx_rows']}-row transactions "

@@ -155,6 +155,12 @@ def test_every_notebook_parameter_gets_a_value_or_a_default():
                 runtime.convert(str(value), defaults[name])
 
 
+def test_the_wheel_is_pure_python():
+    # the compiled capture (setup.py) would tie the wheel to one Python and platform; clusters take the Python path
+    for artifact in BUNDLE["artifacts"].values():
+        assert artifact["build"].startswith("CDC_PURE_PYTHON=1 "), artifact["build"]
+
+
 def test_libraries_are_the_wheel_and_pinned_pypi_packages():
     pins = requirement_pins()
     needed = {re.split(r"[\[=<>]", d)[0].lower() for d in

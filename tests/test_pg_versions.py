@@ -21,7 +21,7 @@ import pytest
 from psycopg2 import sql
 
 from lib import config, source
-from lib.capture import bootstrap, snapshot, stream
+from lib.capture import bootstrap, native, snapshot, stream
 from lib.capture.pgoutput import protocol_options
 from lib.lake import merge, reconcile
 from lib.local.stack import pg_versions, postgres
@@ -164,7 +164,7 @@ def test_snapshot_stream_and_merge_end_exact(shop, spark_session):
     lines = []
     metrics = stream.run(conf, until="caught_up", pg_options="-c logical_decoding_work_mem=64kB", log=lines.append)
     proto = protocol_options(version)
-    assert f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']})" in "\n".join(lines)
+    assert f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']}; {native.REASON})" in "\n".join(lines)
     assert (metrics["streamed_transactions"] > 0) == (version >= 140000), metrics  # in blocks, from protocol 2
     merge.run_until_caught_up(conf, spark_session)
     results = reconcile.reconcile(conf, spark_session)

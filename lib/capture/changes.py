@@ -3,6 +3,8 @@ topic."""
 
 from __future__ import annotations
 
+import struct
+
 from lib import control
 from lib.capture import (
     delivery,
@@ -30,6 +32,27 @@ def change(st: State, m, lsn: int) -> None:
                           f"{exc}; change at LSN {lsn_to_str(lsn)}); the slot stays at {lsn_to_str(st.acks.acked)}; "
                           f"report this as a bug") from exc
     delivery.produce(st, plan, pairs)
+
+
+ROW_CHANGES = frozenset(b"IUD")
+_RELATION = struct.Struct(">I").unpack_from
+
+
+def change_raw(st: State, payload: bytes, lsn: int, pos: int = 1) -> bool:
+    """Produce an Insert/Update/Delete straight from its payload (relation id at pos) through the compiled codec;
+    False when the message is left to change() (no codec yet, no transaction, or anything the codec does not take)."""
+    tx = st.tx
+    if tx is None or len(payload) < pos + 5:
+        return False
+    plan = st.relations.plans.get(_RELATION(payload, pos)[0])
+    if plan is None or plan.codec is None:
+        return False
+    result = plan.codec.events(payload, pos, lsn, plan.tx_parts(tx), tx.prev_commit_lsn, tx.commit_lsn, st.serial)
+    if result is None:
+        return False
+    pairs, st.serial = result
+    delivery.produce(st, plan, pairs)
+    return True
 
 
 def truncate(st: State, m, lsn: int) -> None:

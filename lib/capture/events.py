@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from lib import schema_registry
-from lib.capture import avro_encoder, avro_schemas, pgtypes
+from lib.capture import avro_encoder, avro_schemas, native, pgtypes
 from lib.capture.avro_encoder import OP_BYTES, SHORT, long_bytes, string_bytes, widened_key
 from lib.capture.catalog import Column, Table
 from lib.capture.pgoutput import UNCHANGED_TOAST
@@ -64,7 +64,7 @@ class Plan:
 
     __slots__ = ("table", "qualified", "topic", "prefix", "database", "names", "columns", "convs", "ncols",
                  "key_names", "key_index", "key_schema", "value_schema", "key_id", "value_id", "encode_key",
-                 "encode_value", "_key_list", "_value_list", "_value_prefix", "_tx", "_tx_parts", "_fast")
+                 "encode_value", "_key_list", "_value_list", "_value_prefix", "_tx", "_tx_parts", "_fast", "codec")
 
     def __init__(self, table: Table, topic_prefix: str, database: str, unknown_types: str = "error",
                  topic: str | None = None) -> None:
@@ -92,6 +92,7 @@ class Plan:
         self.encode_key = self.encode_value = None  # dict -> wire bytes, once set_ids() ran
         self._tx = self._tx_parts = None
         self._fast = False
+        self.codec = None  # the compiled encoder (lib/capture/native.py), once set_ids() ran and when it is built
 
     def set_ids(self, key_id: int, value_id: int, wide_key_id: int | None = None, widened: tuple = ()) -> None:
         """Attach the registry ids and compile the wire-format encoders (checked against each other).
@@ -116,6 +117,7 @@ class Plan:
         if _envelope_layout_ok(self.value_schema, self.names):
             self._value_list = avro_encoder._Codegen().compile(self.value_schema["fields"][0]["type"][1], by_index=True)
             self._fast = self._self_check()
+        self.codec = None if widened else native.row_codec(self)
 
     def _self_check(self) -> bool:
         """The direct envelope bytes equal the generic encoder's for sample events."""
@@ -180,6 +182,13 @@ class Plan:
                 a(string_bytes(name))
         a(b"\x00")
         return b"".join(out)
+
+    def tx_parts(self, tx: Tx) -> tuple[bytes, bytes, bytes, bytes]:
+        """The source block's parts for tx (cached for the transaction being sent)."""
+        if self._tx is not tx:
+            self._tx_parts = self._source_parts(tx)
+            self._tx = tx
+        return self._tx_parts
 
     def _source_parts(self, tx: Tx) -> tuple[bytes, bytes, bytes, bytes]:
         """The source block's bytes that stay the same for a table within one transaction."""
@@ -361,6 +370,16 @@ def encoded_events(plan: Plan, message, lsn: int, tx: Tx, serial: int) -> tuple[
         if tombstone:
             out.append((k, tombstone_headers(tx.commit_lsn, serial + offset)))
     return out, serial + len(changes)
+
+
+def compiled_events(plan: Plan, payload: bytes, pos: int, lsn: int, tx: Tx,
+                    serial: int) -> tuple[list[tuple[bytes, object]], int] | None:
+    """encoded_events() by the compiled codec, straight from an Insert/Update/Delete payload whose relation id is at
+    pos; None when the plan has no codec or the codec leaves this message to the Python path."""
+    codec = plan.codec
+    if codec is None:
+        return None
+    return codec.events(payload, pos, lsn, plan.tx_parts(tx), tx.prev_commit_lsn, tx.commit_lsn, serial)
 
 
 POSITION_HEADER = "cdc.position"

@@ -12,6 +12,10 @@ transactions and Relation messages (start 0) all start at or below positions alr
 a keepalive after one of them would confirm transactions Kafka has not acknowledged (psycopg2
 2.9, ``pq_read_replication_message``). Here, the status message always carries the position given to
 ``acknowledge``, nothing else.
+
+When the compiled module is built (lib/capture/native.py), messages are read in batches through the same libpq
+functions; the WAL end of a message still counts only once the message is handed out, and a keepalive's only once
+every message before it was handed out and handled, exactly as when they are read one at a time.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import time
 import psycopg2
 import psycopg2._psycopg
 
+from lib.capture import native
+
 _XLOGDATA = struct.Struct(">QQq")  # data start, WAL end, send time
 _KEEPALIVE = struct.Struct(">QqB")  # WAL end, send time, reply requested
 _STATUS = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, send time, reply requested
 _PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in microseconds since 1970-01-01
 _PGRES_FATAL_ERROR = 7
+BATCH = 512  # messages the compiled reader takes from libpq per call
 
 
 def _libpq() -> ctypes.CDLL:
@@ -65,14 +72,27 @@ class Stream:
         self.flushed = acknowledged  # the only position ever reported to the server
         self.wal_end = 0  # the furthest WAL position the server said it has sent (messages and keepalives)
         self.last_status = 0.0  # time.monotonic() of the last status message
+        self._reader = native.copy_reader(connection, _pq)  # None: one message per read() through ctypes
+        self._batch: list = []  # (data start, payload, WAL end) read by the compiled reader, not yet handed out
+        self._next = 0
+        self._keepalive_end = 0  # a keepalive after the batch: counts once the batch was handled
+        self._failed = 0  # the reader's failure, raised once the batch before it was handed out
 
     def fileno(self) -> int:
         return self.connection.fileno()
 
     def read(self) -> tuple[int, bytes] | None:
         """The next XLogData message as (data start, payload), or None when none is waiting."""
+        if self._next < len(self._batch):
+            start, payload, end = self._batch[self._next]
+            self._next += 1
+            if end > self.wal_end:
+                self.wal_end = end
+            return start, payload
         if time.monotonic() - self.last_status >= self.status_interval_s:
             self.send_status()
+        if self._reader is not None:
+            return self._read_batch()
         consumed = False
         while True:
             size = _pq.PQgetCopyData(self._conn, ctypes.byref(self._buf), 1)
@@ -104,6 +124,39 @@ class Stream:
             if size == -1:
                 raise psycopg2.OperationalError(self._end_of_copy())
             raise psycopg2.OperationalError(self._error())
+
+    def _read_batch(self) -> tuple[int, bytes] | None:
+        """Refill the batch from the compiled reader; its first message, or None."""
+        if self._keepalive_end > self.wal_end:  # every message before that keepalive was handled by now
+            self.wal_end = self._keepalive_end
+        if self._failed:
+            self._raise(self._failed)
+        reader = self._reader
+        batch, status = reader.read(BATCH)
+        if reader.reply:
+            reader.reply = False
+            self.send_status()
+        if not batch:
+            if reader.keepalive_end > self.wal_end:
+                self.wal_end = reader.keepalive_end
+            if status:
+                self._raise(status)
+            return None
+        self._failed = status
+        self._keepalive_end = reader.keepalive_end
+        self._batch, self._next = batch, 1
+        start, payload, end = batch[0]
+        if end > self.wal_end:
+            self.wal_end = end
+        return start, payload
+
+    def _raise(self, status: int) -> None:
+        if status == -1:
+            raise psycopg2.OperationalError(self._end_of_copy())
+        if status == -3:
+            kind = chr(self._reader.unexpected)
+            raise psycopg2.OperationalError(f"unexpected replication message type {kind!r} from the server")
+        raise psycopg2.OperationalError(self._error())
 
     def acknowledge(self, lsn: int) -> bool:
         """Remember lsn as flushed (sent with the next status message); True when it moved."""

@@ -28,6 +28,7 @@ from lib.capture import (
     delivery,
     incremental,
     incremental_chunks,
+    native,
     pgtypes,
     relations,
     replication,
@@ -199,7 +200,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     _remove_stale_spools(st.slot, spool_dir)  # only now: the slot is ours, no other capture of it runs
     st.spools.dir = tempfile.mkdtemp(prefix=f"cdc-stream-{st.slot}-", dir=spool_dir)
     st.log(f"stream    slot {st.slot} from {lsn_to_str(st.acks.acked)}, caught up at {lsn_to_str(st.acks.target)} "
-           f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']})")
+           f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']}; {native.REASON})")
 
 
 def _wait_for_slot(st: State, timeout_s: float = 20.0) -> tuple:
@@ -316,6 +317,9 @@ def _loop(st: State) -> None:
 def _handle(st: State, message: tuple[int, bytes]) -> None:
     """Dispatch one replication message (data start, payload)."""
     data_start, payload = message
+    if payload and payload[0] in changes.ROW_CHANGES and not st.decoder.in_stream \
+            and changes.change_raw(st, payload, data_start):
+        return
     if st.decoder.in_stream and payload[0] in streamed_transactions.SPOOLED:
         try:
             spool = st.spools.files[st.spools.xid][0]

@@ -19,6 +19,8 @@ from lib.capture.stream_state import State, StreamError
 
 SPOOLED = frozenset(b"RYIUDTM")  # messages inside a stream block that belong to the streamed transaction
 RECORD = struct.Struct(">QI")  # spool record header: data_start, payload length
+_ROW_CHANGES = (b"I", b"U", b"D")
+_xid = struct.Struct(">I").unpack_from
 
 
 def stream_start(st: State, m) -> None:
@@ -89,18 +91,10 @@ def _replay(st: State, spool: list, tick) -> bool:
         if not header:
             return True
         lsn, length = unpack(header)
-        m = decoder.decode(read(length))
-        kind = m.kind
-        if kind in "IUD":
-            if m.xid not in aborted:
-                changes.change(st, m, lsn)
-        elif kind == "R":
-            # applied even from a rolled-back subtransaction: later changes may rely on it
-            relations.remember_relation(st, m)
-        elif kind == "T" and m.xid not in aborted:
-            changes.truncate(st, m, lsn)
-        elif kind == "M" and m.prefix == incremental.WATERMARK_PREFIX and m.xid not in aborted:
-            incremental_chunks.watermark(st, m)
+        payload = read(length)
+        if not (payload[:1] in _ROW_CHANGES and len(payload) >= 5 and _xid(payload, 1)[0] not in aborted
+                and changes.change_raw(st, payload, lsn, 5)):  # else sent by the compiled codec
+            _replay_one(st, decoder.decode(payload), lsn, aborted)
         count += 1
         if count % 1000 == 0:
             st.producer.poll(0)
@@ -108,3 +102,18 @@ def _replay(st: State, spool: list, tick) -> bool:
             delivery.keepalive(st)
             if tick(st) and st.stop_reason != "caught_up":
                 return False
+
+
+def _replay_one(st: State, m, lsn: int, aborted: set) -> None:
+    """One decoded spooled message."""
+    kind = m.kind
+    if kind in "IUD":
+        if m.xid not in aborted:
+            changes.change(st, m, lsn)
+    elif kind == "R":
+        # applied even from a rolled-back subtransaction: later changes may rely on it
+        relations.remember_relation(st, m)
+    elif kind == "T" and m.xid not in aborted:
+        changes.truncate(st, m, lsn)
+    elif kind == "M" and m.prefix == incremental.WATERMARK_PREFIX and m.xid not in aborted:
+        incremental_chunks.watermark(st, m)
