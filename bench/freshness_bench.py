@@ -38,7 +38,7 @@ from lib import config, source  # noqa: E402
 from lib import spark as spark_lib  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths  # noqa: E402
-from lib.operate import metrics, monitor, service  # noqa: E402
+from lib.operate import keeper, metrics, monitor, service  # noqa: E402
 from lib.views import masking  # noqa: E402
 
 
@@ -136,6 +136,16 @@ def run(n: int, args, log) -> dict:
         cpu_after = bench_env.cpu_seconds(conf)
         fresh = [seen_fresh[r] - committed[r] for r in committed if r in seen_fresh]
         silver = [seen_silver[r] - committed[r] for r in committed if r in seen_silver]
+        records = metrics.records(conf, "merge")
+        batch_s = [s for r in records for s in r.get("batch_seconds") or []]
+        phase_s = {}
+        for r in records:
+            for phases in r.get("batch_phases") or []:
+                for name, seconds in phases.items():
+                    phase_s.setdefault(name, []).append(seconds)
+        log(f"{n} table(s): bronze batches {percentiles(batch_s)}; median per phase "
+            f"{ {name: round(statistics.median(v), 3) for name, v in phase_s.items()} }; merge log tail:\n"
+            + "\n".join(keeper.files(conf, "merge")["log"].read_text().splitlines()[-15:]))
         history = metrics.history(conf)
         merge_rows = history[history["service"] == "merge"]
         result = {"tables": n, "rows_watched": len(committed), "fresh": percentiles(fresh),

@@ -193,6 +193,7 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, s
                 if isinstance(value, int):
                     totals[key] = totals.get(key, 0) + value
     return {"query": name, "batches": len(history), **totals, "batch_seconds": [b.get("seconds") for b in history],
+            "batch_phases": [b.get("phases") for b in history],
             "bronze_seq": applied["seq"], "silver_tables": len(applied["tables"]), "silver_s": applied.get("seconds")}
 
 

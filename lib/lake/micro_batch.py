@@ -101,10 +101,17 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     cores = spark_session.cores(spark)
     raw = decode.headers(batch.coalesce(cores) if cores else batch).persist()
     frames = [raw]
+    phases, mark = {}, [time.monotonic()]
+
+    def phase(name: str) -> None:  # seconds per part of the batch, in its stats (and the metrics records)
+        now = time.monotonic()
+        phases[name], mark[0] = round(now - mark[0], 3), now
+
     try:
         present = {row["topic"]: row for row in raw.groupBy("topic").agg(
             F.collect_set("__vid").alias("v"), F.collect_set("__kid").alias("k")).collect()}
-        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}}
+        stats = {"batch_id": batch_id, "tables": {}, "dead_letters": {}, "phases": phases}
+        phase("read")
         if not present:
             return stats
         unknown = [t for t in present if t != control_topic and t not in ctx.retired and ctx.spec(t) is None]
@@ -119,6 +126,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             ctx.truncates_logged = bronze_log.truncates(spark, path)
         cuts = {table: cut for table, cut in truncates(ctx.conf).items()
                 if ctx.truncates_logged.get(table) != cut and any(s.qualified == table for s in ctx.specs)}
+        phase("control")
         parts = []
         for spec in ctx.specs:
             row = present.get(spec.topic)
@@ -135,6 +143,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             combined = combined.persist()
             frames.append(combined)
         counts = _counts(combined) if combined is not None else {}
+        phase("decode")
         for table, mine in counts.items():
             good = mine.get(None)
             bad = {reason: c["n"] for reason, c in mine.items() if reason is not None}
@@ -151,6 +160,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
         if touched:
             bronze_log.append(spark, path, functools.reduce(DataFrame.unionByName, logged), ctx.log_state, app,
                               batch_id, touched)
+        phase("append")
         _fire("after_bronze", batch_id, ",".join(sorted(touched)))
         ctx.truncates_logged.update(cuts)
         if stats["dead_letters"]:

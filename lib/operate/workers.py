@@ -303,6 +303,8 @@ class _MergeTally:
                 log(f"merge     positions unknown: {exc}")
         record = {"batches": self.batches, "last_batch_id": fresh[-1]["batch_id"] if fresh else None,
                   "interval_s": round(interval, 3), "interval_events_per_table": per_table,
+                  "batch_seconds": [round(b["seconds"], 3) for b in fresh if b.get("seconds") is not None],
+                  "batch_phases": [b["phases"] for b in fresh if b.get("phases")],
                   "events_per_table": dict(self.events),
                   "interval_events_per_s": round(sum(per_table.values()) / interval, 1),
                   "dead_letters": dict(self.dead), "positions": dict(self.positions)}
