@@ -4,7 +4,8 @@
 
 Polls /proc every 0.2 s while the command runs (a JVM or a kernel lives seconds at least, so none is
 missed), prints the command's exit status, wall time, CPU seconds of the whole machine and one line per
-kind. docs/testing.md keeps its figures.
+kind, then per kind the test modules that started them (a child inherits PYTEST_CURRENT_TEST from the test
+that runs it). docs/testing.md keeps its figures.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ KINDS = [  # (kind, a string of the command line that names it), first match win
     ("other jvm", "/bin/java"),
     ("notebook kernel", "ipykernel_launcher"),
     ("capture or merge service", "lib.operate.service run"),
-    ("postgres server", "postgres -D"),
+    ("postgres (server or initdb)", "postgres -D"),
 ]
 
 
@@ -46,6 +47,18 @@ def cmdlines() -> dict[int, str]:
     return found
 
 
+def started_by(pid: int) -> str:
+    """The test module whose run started pid (from PYTEST_CURRENT_TEST in its environment), or '-'."""
+    try:
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return "-"
+    for entry in environ:
+        if entry.startswith(b"PYTEST_CURRENT_TEST="):
+            return entry.split(b"=", 1)[1].decode(errors="replace").split("::", 1)[0]
+    return "-"
+
+
 def machine_cpu_s() -> float:
     """CPU seconds every core spent busy since boot (user, nice, system, irq, softirq, steal)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -58,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    seen, counts = set(cmdlines()), Counter()
+    seen, counts, by_test = set(cmdlines()), Counter(), Counter()
     print("load average before:", " ".join(f"{v:.2f}" for v in os.getloadavg()), flush=True)
     cpu0, t0 = machine_cpu_s(), time.monotonic()
     child = subprocess.Popen(command)
@@ -69,12 +82,17 @@ def main(argv: list[str] | None = None) -> int:
                 kind = kind_of(cmdline)
                 if kind:
                     counts[kind] += 1
+                    by_test[kind, started_by(pid)] += 1
         time.sleep(0.2)
     wall, cpu = time.monotonic() - t0, machine_cpu_s() - cpu0
     print("load average after: ", " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"exit {child.returncode}, wall {wall:.0f} s, machine CPU {cpu:.0f} s ({cpu / wall:.2f} cores busy)")
     for kind, _ in KINDS:
         print(f"  {kind:26s} {counts[kind]:4d} started")
+    for kind, _ in KINDS:
+        tests = sorted(((n, test) for (k, test), n in by_test.items() if k == kind), reverse=True)
+        if tests:
+            print(f"{kind}, by test module: " + ", ".join(f"{test} {n}" for n, test in tests))
     return child.returncode
 
 
