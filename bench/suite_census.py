@@ -19,6 +19,8 @@ from collections import Counter
 from pathlib import Path
 
 KINDS = [  # (kind, a string of the command line that names it), first match wins
+    # spark-submit first runs Spark's launcher, a short JVM whose command line also names SparkSubmit
+    ("spark launcher (one per driver start)", "org.apache.spark.launcher.Main"),
     ("spark driver", "org.apache.spark.deploy.SparkSubmit"),
     ("kafka connect (debezium)", "ConnectDistributed"),
     ("kafka broker", "kafka.Kafka "),
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print("load average after: ", " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print(f"exit {child.returncode}, wall {wall:.0f} s, machine CPU {cpu:.0f} s ({cpu / wall:.2f} cores busy)")
     for kind, _ in KINDS:
-        print(f"  {kind:26s} {counts[kind]:4d} started")
+        print(f"  {kind:38s} {counts[kind]:4d} started")
     for kind, _ in KINDS:
         tests = sorted(((n, test) for (k, test), n in by_test.items() if k == kind), reverse=True)
         if tests:
