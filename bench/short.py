@@ -28,7 +28,8 @@ from lib import config  # noqa: E402
 HERE = Path(__file__).resolve().parent
 SNAPSHOT = re.compile(r"round 1: snapshot \((\w+)\) ([\d,]+) rows in ([\d.]+) s \(([\d,]+) rows/s\)")
 COPY = re.compile(r"round 1: COPY ([\d,]+) rows in ([\d.]+) s \(([\d,]+) rows/s\)")
-CATCH_UP = re.compile(r"^(.+?): ([\d,]+) messages in ([\d.]+) s over (\d+) batch\(es\), ([\d,]+)/s$", re.M)
+CATCH_UP = re.compile(r"^(.+?): bronze ([\d,]+) messages in ([\d.]+) s over (\d+) batch\(es\) \[[^\]]*\], ([\d,]+)/s; "
+                      r"silver step ([\d.]+) s over (\d+) table\(s\)", re.M)
 
 
 def run(script: str, *args: str) -> str:
@@ -64,10 +65,14 @@ def main(argv=None) -> None:
     print(f"snapshot: {snap[4]} rows/s", flush=True)
     out = run("tables_bench.py", "--small", "2", "--big-rows", "10000", "--tables", "1", "--events",
               str(args.merge_events))
-    for label, messages, seconds, batches, rate in CATCH_UP.findall(out):
-        rows.append((f"merge catch-up: {label}", f"{messages} messages", f"{rate} messages/s ({batches} batch(es))",
-                     float(seconds)))
-        print(f"merge {label}: {rate} messages/s", flush=True)
+    found = CATCH_UP.findall(out)
+    if not found:  # a table without the merge's rows would read as a complete run
+        raise SystemExit(f"bench/tables_bench.py printed no catch-up line this script can read:\n{out[-2000:]}")
+    for label, messages, seconds, batches, rate, silver_s, tables in found:
+        rows.append((f"merge catch-up: {label}", f"{messages} messages",
+                     f"bronze {rate} messages/s ({batches} batch(es)); then the silver step {silver_s} s over "
+                     f"{tables} table(s)", float(seconds)))
+        print(f"merge {label}: bronze {rate} messages/s, silver step {silver_s} s", flush=True)
     print()
     print("| benchmark | size | result | seconds |")
     print("|---|---|---|---|")
