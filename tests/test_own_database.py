@@ -21,6 +21,7 @@ import sys
 import uuid
 
 import pytest
+import server_roles
 import yaml
 from psycopg2 import sql
 
@@ -28,7 +29,6 @@ from lib import config, source
 from lib.capture import stream
 from lib.lake import merge, reconcile
 from lib.local.stack import pg_versions, postgres
-from lib.operate import teardown
 from lib.views import changes, masking
 
 pytestmark = pytest.mark.stack
@@ -131,14 +131,7 @@ def shop(live_stack, tmp_path_factory, drop_slot):
     yield {"conf": conf, "owner": owner, "job": job, "runs": sorted((folder / "runs").glob("*/*.ipynb"))}
     drop_slot(conf, target)
     owner.close()
-    with root.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
-        for role in (reader, owner_role):
-            cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
-    root.close()
-    teardown.delete_prefix(conf, config.get(conf, "kafka.topic_prefix"))
-    for name in passwords:
-        os.environ.pop(name, None)
+    server_roles.remove(root, conf, database, [reader, owner_role], passwords)
 
 
 def test_all_five_notebooks_run_as_a_job_on_a_database_that_is_not_the_sample(shop):

@@ -18,6 +18,7 @@ import uuid
 
 import psycopg2
 import pytest
+import server_roles
 from psycopg2 import sql
 
 from lib import config, source
@@ -25,7 +26,6 @@ from lib.capture import bootstrap, native, snapshot, stream
 from lib.capture.pgoutput import protocol_options
 from lib.lake import merge, reconcile
 from lib.local.stack import pg_versions, postgres
-from lib.operate import teardown
 
 pytestmark = pytest.mark.stack
 
@@ -96,14 +96,7 @@ def shop(server, tmp_path_factory, drop_slot):
     drop_slot(conf, config.get(conf, "source.slot"))
     owned.close()
     inside.close()
-    with root.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
-        for role in (reader, owner):
-            cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
-    root.close()
-    teardown.delete_prefix(conf, config.get(conf, "kafka.topic_prefix"))
-    for name in passwords:
-        os.environ.pop(name, None)
+    server_roles.remove(root, conf, database, [reader, owner], passwords)
 
 
 def _failed(findings) -> dict:
