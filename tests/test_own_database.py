@@ -141,8 +141,6 @@ def test_all_five_notebooks_run_as_a_job_on_a_database_that_is_not_the_sample(sh
                                                      "04_merge_into_delta", "05_masking_views"]
     text = "\n".join(path.read_text() for path in shop["runs"])
     assert "demo writes skipped" in text and "continuous=False" in text and "bank.branches" not in job.stdout
-    # no ERROR line in the job's console: a kernel that started Spark is not interrupted when it is shut down
-    assert [line for line in (job.stdout + job.stderr).splitlines() if "ERROR" in line] == []
     assert "the sample bank is not configured (source.tables): the exercises below are skipped" in text
 
 

@@ -71,36 +71,3 @@ def test_job_runs_notebooks_in_order_keeps_executed_copies_and_stops_at_a_failur
     assert results[0]["output"].parent.parent == tmp_path / "runs"
     assert not (results[0]["output"].parent / "03_never.ipynb").exists()
     assert config.load("local", environ={})["jobs"]["runs_dir"] == "runs"
-
-
-@pytest.mark.parametrize("manager, interrupted", [("jupyter_client's own", True), ("the job's", False)])
-def test_a_finished_kernel_is_shut_down_without_an_interrupt(tmp_path, manager, interrupted):
-    """jupyter_client sends SIGINT just before the shutdown request; a kernel handling a message as it lands logs
-    "ERROR | KeyboardInterrupt caught in kernel". A job's kernel, whose cells have all run, gets no SIGINT."""
-    import asyncio
-    import signal
-
-    from jupyter_client import AsyncKernelManager
-
-    base = AsyncKernelManager if interrupted else jobs.kernel_manager_class()
-    sent = []
-
-    class Recording(base):
-        async def _async_signal_kernel(self, signum):
-            sent.append(signum)
-            await super()._async_signal_kernel(signum)
-
-    async def run() -> None:
-        km = Recording(kernel_name="python3")
-        await km.start_kernel(cwd=str(tmp_path))
-        client = km.client()
-        client.start_channels()
-        await client.wait_for_ready(timeout=60)
-        reply = await client.execute_interactive("1 + 1", timeout=60)
-        assert reply["content"]["status"] == "ok"
-        client.stop_channels()
-        await km.shutdown_kernel()
-        assert not await km.is_alive()
-
-    asyncio.run(run())
-    assert (signal.SIGINT in sent) == interrupted, sent

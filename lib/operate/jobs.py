@@ -44,24 +44,6 @@ def kernel_config(folder: str):
     return Config({"KernelManager": {"transport": "ipc", "ip": str(Path(folder) / "kernel")}})
 
 
-def kernel_manager_class():
-    """jupyter_client's kernel manager, except that shutting a kernel down does not interrupt it first.
-
-    jupyter_client sends SIGINT just before every shutdown request; ipykernel turns SIGINT into KeyboardInterrupt
-    while it handles a message, so a kernel still busy with one as the signal lands (notebook 02 after a snapshot,
-    in `make demo`) logs "ERROR | KeyboardInterrupt caught in kernel". A job shuts a kernel down only after its
-    last cell finished, so there is nothing to interrupt; an unresponsive kernel is still terminated and killed.
-    """
-    from jupyter_client import AsyncKernelManager
-
-    class FinishedKernelManager(AsyncKernelManager):
-        async def _async_interrupt_kernel(self) -> None:
-            if not self.shutting_down:
-                await super()._async_interrupt_kernel()
-
-    return FinishedKernelManager
-
-
 def run(target: str = "local", only: list[str] | None = None, parameters: dict | None = None,
         log=print, folder: Path = NOTEBOOKS) -> list[dict]:
     """Execute the notebooks in order with papermill; stop at the first failure."""
@@ -78,7 +60,7 @@ def run(target: str = "local", only: list[str] | None = None, parameters: dict |
             try:
                 papermill.execute_notebook(str(path), str(output), parameters={"target": target, **(parameters or {})},
                                            cwd=str(folder), progress_bar=False, kernel_name="python3",
-                                           config=kernel_config(sockets), kernel_manager_class=kernel_manager_class())
+                                           config=kernel_config(sockets))
             except papermill.PapermillExecutionError as exc:
                 results.append({"notebook": path.stem, "ok": False, "seconds": time.monotonic() - began,
                                 "output": output, "error": f"{exc.ename}: {exc.evalue}"})
