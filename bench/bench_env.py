@@ -268,6 +268,16 @@ def cpu_seconds(conf: dict) -> dict[str, float]:
     return totals
 
 
+def drop_slot_when_free(conn, slot: str, attempts: int = 100) -> None:
+    """Drop a replication slot on conn, retrying while its walsender is still going away (up to 20 s)."""
+    for _ in range(attempts):
+        try:
+            snapshot_slot.drop_slot(conn, slot)
+            return
+        except snapshot_slot.SnapshotError:
+            time.sleep(0.2)
+
+
 def cleanup(conf: dict, log=print) -> None:
     """Drop the database's slots, the database, the prefix's topics and registry subjects."""
     database, prefix = config.get(conf, "source.database"), conf["bench_prefix"]
@@ -280,12 +290,7 @@ def cleanup(conf: dict, log=print) -> None:
             cur.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (database,))
             slots = [r[0] for r in cur.fetchall()]
         for slot in slots:
-            for _ in range(100):
-                try:
-                    snapshot_slot.drop_slot(pipeline, slot)
-                    break
-                except snapshot_slot.SnapshotError:  # its walsender is still going away
-                    time.sleep(0.2)
+            drop_slot_when_free(pipeline, slot)
         with admin.cursor() as cur:
             cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
     finally:

@@ -88,12 +88,7 @@ def drop_slot(conf: dict, name: str) -> None:
     conn = source.connect(conf, dbname="postgres")
     conn.autocommit = True
     try:
-        for _ in range(100):
-            try:
-                snapshot_slot.drop_slot(conn, name)
-                return
-            except snapshot_slot.SnapshotError:  # its walsender is still going away
-                time.sleep(0.2)
+        bench_env.drop_slot_when_free(conn, name)
     finally:
         conn.close()
 
