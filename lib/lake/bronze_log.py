@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -54,11 +54,17 @@ def ensure(spark: SparkSession, path: str) -> None:
     delta_io.ensure_table(spark, path, SCHEMA)
 
 
-def rows_with_reasons(decoded: DataFrame, table: str) -> DataFrame:
+def rows_with_reasons(decoded: DataFrame, table: str, columns: list[Column] | None = None) -> DataFrame:
     """A table's decoded rows (lib/lake/decode.py) in the log's layout (no _seq yet), plus why a row cannot be
-    merged (__reason, __detail: dead letters, with their raw __k and __v): one layout for every table."""
+    merged (__reason, __detail: dead letters, with their raw __k and __v): one layout for every table.
+    ``columns``: log_columns(table), when the caller keeps them between batches."""
+    return decoded.select(*(columns or log_columns(table)))
+
+
+def log_columns(table: str) -> list[Column]:
+    """The projection of rows_with_reasons for a table."""
     env = F.col("__env")
-    return decoded.select(
+    return [
         F.lit(table).alias("_table"), F.to_variant_object(F.col("__key")).alias("key"), env["op"].alias("op"),
         F.to_variant_object(env["before"]).alias("before"), F.to_variant_object(env["after"]).alias("after"),
         env["source"].alias("source"), env["ts_ms"].alias("ts_ms"), env["transaction"].alias("transaction"),
@@ -67,7 +73,7 @@ def rows_with_reasons(decoded: DataFrame, table: str) -> DataFrame:
         F.col("topic").alias("_kafka_topic"), F.col("partition").alias("_kafka_partition"),
         F.col("offset").alias("_kafka_offset"), F.col("timestamp").alias("_kafka_timestamp"),
         F.col("__kid").alias("_key_schema_id"), F.col("__vid").alias("_value_schema_id"),
-        F.col("__batch").alias("_batch_id"), "__reason", "__detail", "__k", "__v")
+        F.col("__batch").alias("_batch_id"), F.col("__reason"), F.col("__detail"), F.col("__k"), F.col("__v")]
 
 
 def good(combined: DataFrame) -> DataFrame:

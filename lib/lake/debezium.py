@@ -92,9 +92,15 @@ def prepare(stage: DataFrame, semantic: dict[int, dict[str, str]]) -> DataFrame:
     values get their semantic fields converted and TOAST placeholders nulled (listed in a new ``unchanged_cols``),
     keys their semantic fields converted. Every other column passes unchanged; without work there is no projection.
     """
-    types = {f.name: f.dataType for f in stage.schema.fields}
+    columns = prepared_columns(stage.schema, semantic)
+    return stage.select(*columns) if columns is not None else stage
+
+
+def prepared_columns(schema: T.StructType, semantic: dict[int, dict[str, str]]) -> list[Column] | None:
+    """prepare's projection for a stage of this schema, as columns (None: nothing to map)."""
+    types = {f.name: f.dataType for f in schema.fields}
     columns, changed = [], False
-    for name in stage.columns:
+    for name in schema.names:
         found = re.fullmatch(r"__([vk])(\d+)", name)
         schema_id = int(found.group(2)) if found else None
         if found and found.group(1) == "v" and schema_id in semantic:
@@ -105,7 +111,7 @@ def prepare(stage: DataFrame, semantic: dict[int, dict[str, str]]) -> DataFrame:
             changed = True
         else:
             columns.append(F.col(name))
-    return stage.select(*columns) if changed else stage
+    return columns if changed else None
 
 
 def envelope(e: Column, writer: T.StructType, semantic: dict[str, str]) -> Column:

@@ -84,6 +84,11 @@ def kafka_options(conf: dict, retired: list[str] = ()) -> dict[str, str]:
         "includeHeaders": "true",  # a tombstone's position (lib/capture/events.py tombstone_headers)
         "maxOffsetsPerTrigger": str(int(config.get(conf, "merge.max_offsets_per_trigger"))),
         "failOnDataLoss": str(bool(config.get(conf, "merge.fail_on_data_loss"))).lower(),
+        # a task reading a topic-partition to its end polls once more there, and the broker holds that fetch for
+        # fetch.max.wait.ms (Kafka's default 500 ms) when no new record comes: half a second per topic-partition
+        # per micro-batch (51 tables x 3 partitions: 40 s of a catch-up). Spark's consumers only read known
+        # offset ranges, so a short wait costs no idle polling (docs/benchmarks.md, "Kafka's fetch wait")
+        "kafka.fetch.max.wait.ms": "10",
     }
     for key, value in (config.get(conf, "merge.kafka_options") or {}).items():
         name = key if key.startswith("kafka.") or key in ("minPartitions", "fetchOffset.numRetries") else f"kafka.{key}"

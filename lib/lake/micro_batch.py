@@ -134,13 +134,17 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
                 continue
             layout = writer_schemas.table_layout(spark, ctx.schemas, spec, set(row["v"]), set(row["k"]))
             _refuse_unknown_ids(ctx, raw, spec, layout, set(row["v"]), set(row["k"]))
-            decoded = decode.decode(raw.filter(F.col("topic") == spec.topic), spark, ctx.schemas, layout, batch_id)
-            parts.append(bronze_log.rows_with_reasons(decoded, spec.qualified))
+            rows = raw.filter(F.col("topic") == spec.topic)
+            decoding, columns = _plan(ctx, spec, layout, rows)
+            parts.append(bronze_log.rows_with_reasons(decode.apply(decoding, rows, batch_id), spec.qualified, columns))
+        phase("plan")
         if not parts and not cuts:
             return stats
-        combined = functools.reduce(DataFrame.unionByName, parts) if parts else None
+        combined = functools.reduce(DataFrame.union, parts) if parts else None  # the same columns, in order
         if combined is not None:
-            combined = combined.persist()
+            # the union has a partition per table and core; each task deserializes the whole plan (every table's
+            # decode) and the append writes a file per partition: coalesced, a batch runs one task per core
+            combined = (combined.coalesce(cores) if cores else combined).persist()
             frames.append(combined)
         counts = _counts(combined) if combined is not None else {}
         phase("decode")
@@ -174,6 +178,24 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     finally:
         for frame in frames:
             frame.unpersist()
+
+
+_PLANS: dict = {}  # (driver, table, writer layout) -> decode plan and log columns: a cache, never the lake's state
+PLANS_KEPT = 2000
+
+
+def _plan(ctx: MergeContext, spec: TableSpec, layout: Layout, rows: DataFrame) -> tuple:
+    """A table's decode plan and log columns, built once per process and writer layout (later catch-ups reuse it)."""
+    from pyspark import SparkContext
+
+    key = (id(SparkContext._gateway), spec.qualified, tuple(layout.value_ids), tuple(layout.key_ids),
+           layout.row.json(), layout.key.json(), json.dumps(layout.semantic, sort_keys=True),
+           json.dumps(layout.pg_names, sort_keys=True))
+    if key not in _PLANS:
+        if len(_PLANS) >= PLANS_KEPT:
+            _PLANS.clear()
+        _PLANS[key] = (decode.plan(rows, ctx.schemas, layout), bronze_log.log_columns(spec.qualified))
+    return _PLANS[key]
 
 
 def _refuse_unknown_ids(ctx: MergeContext, raw: DataFrame, spec: TableSpec, layout: Layout, value_ids: set,
