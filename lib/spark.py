@@ -52,6 +52,10 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
         "spark.sql.shuffle.partitions": "4",
         "spark.databricks.delta.snapshotPartitions": "4",
         "spark.ui.enabled": "false",
+        # Spark 4.1.1 fails (NullPointerException in SparkShreddingUtils.assembleVariantStructBatch) reading a
+        # cast of a VARIANT column pushed into the Parquet scan when a file holds rows of several bronze tables
+        # (a micro-batch's file, or any file after OPTIMIZE); reading the variant whole and casting it after works
+        "spark.sql.variant.pushVariantIntoScan": "false",
         **(settings or {}),
     }
     builder = SparkSession.builder

@@ -148,14 +148,21 @@ def append(spark: SparkSession, path: str, frame: DataFrame, log_state: State, m
     return True
 
 
+def pending_slice(spark: SparkSession, path: str, after: dict[str, int], upto_seq: int) -> DataFrame:
+    """The log rows of the tables in ``after`` ({table: the _seq silver applied}) up to upto_seq, in one read."""
+    return spark.read.format("delta").load(path).filter(
+        F.col("_table").isin(*after) & (F.col("_seq") > min(after.values())) & (F.col("_seq") <= upto_seq))
+
+
 def events(spark: SparkSession, path: str, table: str, after_seq: int, upto_seq: int, key: T.StructType,
-           row: T.StructType) -> DataFrame:
+           row: T.StructType, log: DataFrame | None = None) -> DataFrame:
     """A table's log rows with after_seq < _seq <= upto_seq, shaped like decode's output (typed again).
 
     What silver_table.merge_source reads: __key, __env (before, after, source, op, unchanged_cols), __tomb,
     __tlsn, __tserial, partition, offset, timestamp, __reason (always null: dead letters never reach the log).
+    ``log``: where to read them (pending_slice's rows), else the log at path.
     """
-    log = spark.read.format("delta").load(path).filter(
+    log = (log if log is not None else spark.read.format("delta").load(path)).filter(
         (F.col("_table") == table) & (F.col("_seq") > after_seq) & (F.col("_seq") <= upto_seq)
         & ((F.col("op") != TRUNCATE_OP) | F.col("op").isNull()))
     env = F.struct(F.col("before").cast(row).alias("before"), F.col("after").cast(row).alias("after"),

@@ -78,39 +78,50 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
         return result
     state = bronze_log.state(spark, path)
     result["seq"] = state.seq
-    cuts = micro_batch.truncates(conf)
-    for spec in lake_paths.table_specs(conf):
-        if tables is not None and spec.qualified not in tables:
-            continue
-        done = _applied(spark, prog, spec)
-        touched = state.touched.get(spec.qualified, -1)
-        if touched <= done:
-            continue
-        started = time.monotonic()
-        silver = lake_paths.silver_path(conf, spec)
-        cut = cuts.get(spec.qualified)
-        pending_cut = cut if cut is not None and prog.truncates.get(spec.qualified) != cut \
-            and silver_table.truncate_pending(spark, silver, cut) else None
-        layout = writer_schemas.table_layout(spark, prog.schemas, spec, set(), set())
-        events = bronze_log.events(spark, path, spec.qualified, done, state.seq, layout.key, layout.row)
-        counts = events.agg(F.count(F.lit(1)).alias("n"),
-                            F.count(F.when(F.size("__env.unchanged_cols") > 0, 1)).alias("toast")).collect()[0]
-        if counts["n"] or pending_cut is not None:
-            source = silver_table.merge_source(events, layout, cut[:2] if cut else None, toast=counts["toast"] > 0)
-            silver_table.merge_silver(spark, silver, spec, layout, source, pending_cut, state.seq, prog.ready)
-        else:  # only a truncate silver had applied already: record the commit reached all the same
-            silver_table.record_applied(spark, silver, spec, state.seq)
-        prog.applied[spec.qualified] = state.seq
-        if cut is not None:
-            prog.truncates[spec.qualified] = cut
-        result["tables"][spec.qualified] = {"events": int(counts["n"]), "seconds": round(time.monotonic() - started,
-                                                                                        2)}
+    behind = [spec for spec in lake_paths.table_specs(conf) if (tables is None or spec.qualified in tables)
+              and state.touched.get(spec.qualified, -1) > _applied(spark, prog, spec)]
+    if behind:
+        cuts = micro_batch.truncates(conf)
+        # one read of the log for every table behind, and one job counting their events
+        pending = bronze_log.pending_slice(spark, path, {s.qualified: prog.applied[s.qualified] for s in behind},
+                                           state.seq).persist()
+        try:
+            counted = {row["_table"]: row for row in pending.groupBy("_table").agg(
+                F.count(F.when((F.col("op") != bronze_log.TRUNCATE_OP) | F.col("op").isNull(), 1)).alias("n"),
+                F.count(F.when(F.size("unchanged_cols") > 0, 1)).alias("toast")).collect()}
+            for spec in behind:
+                result["tables"][spec.qualified] = _step_table(spark, prog, spec, state.seq, pending,
+                                                               counted.get(spec.qualified), cuts)
+        finally:
+            pending.unpersist()
     _maintain(conf, spark, prog, path)
     result["seconds"] = round(time.monotonic() - began, 2)
     if result["tables"]:
         log.info("silver step to bronze commit %s: %s", state.seq, result["tables"])
         prog.history = (prog.history + [{**result, "at": time.time()}])[-100:]
     return result
+
+
+def _step_table(spark: SparkSession, prog: Progress, spec, seq: int, pending, counted, cuts: dict) -> dict:
+    """One table's MERGE of its pending log rows (or the record that nothing changed); its events and seconds."""
+    conf, path, done = prog.conf, lake_paths.bronze_path(prog.conf), prog.applied[spec.qualified]
+    n, toast = (int(counted["n"]), int(counted["toast"])) if counted else (0, 0)
+    started = time.monotonic()
+    silver = lake_paths.silver_path(conf, spec)
+    cut = cuts.get(spec.qualified)
+    pending_cut = cut if cut is not None and prog.truncates.get(spec.qualified) != cut \
+        and silver_table.truncate_pending(spark, silver, cut) else None
+    layout = writer_schemas.table_layout(spark, prog.schemas, spec, set(), set())
+    events = bronze_log.events(spark, path, spec.qualified, done, seq, layout.key, layout.row, log=pending)
+    if n or pending_cut is not None:
+        source = silver_table.merge_source(events, layout, cut[:2] if cut else None, toast=toast > 0)
+        silver_table.merge_silver(spark, silver, spec, layout, source, pending_cut, seq, prog.ready)
+    else:  # only a truncate silver had applied already: record the commit reached all the same
+        silver_table.record_applied(spark, silver, spec, seq)
+    prog.applied[spec.qualified] = seq
+    if cut is not None:
+        prog.truncates[spec.qualified] = cut
+    return {"events": n, "seconds": round(time.monotonic() - started, 2)}
 
 
 def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> None:
