@@ -54,7 +54,8 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
         "spark.ui.enabled": "false",
         # Spark 4.1.1 fails (NullPointerException in SparkShreddingUtils.assembleVariantStructBatch) reading a
         # cast of a VARIANT column pushed into the Parquet scan when a file holds rows of several bronze tables
-        # (a micro-batch's file, or any file after OPTIMIZE); reading the variant whole and casting it after works
+        # (a micro-batch's file, or any file after OPTIMIZE) and one declares a non-nullable field another lacks
+        # (tests/test_bronze_log.py); reading the variant whole and casting it after works
         "spark.sql.variant.pushVariantIntoScan": "false",
         **(settings or {}),
     }
