@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import matplotlib
 import pytest
@@ -162,3 +163,26 @@ def test_the_last_error_is_the_error_not_the_jvm_chatter_after_it(tmp_path):
                    "26/11/24 21:10:11 WARN Utils: Your hostname resolves to a loopback address\n")
     assert keeper._last_error_line(log, keeper_lines=False) == \
         "python -m lib.operate.service: error: merge query q stopped in micro-batch 3: boom"
+
+
+@pytest.mark.parametrize("step_s", [0.8, 1.6])
+def test_silver_steps_start_every_interval_and_a_long_one_is_not_followed_by_a_wait(monkeypatch, step_s):
+    from lib.lake import silver_step
+
+    starts = []
+
+    def step(conf, spark, prog):
+        starts.append(time.monotonic())
+        time.sleep(step_s)
+        return {"seq": len(starts), "tables": {}, "seconds": step_s}
+
+    monkeypatch.setattr(silver_step, "run", step)
+    conf = config.apply_overrides(config.load("local"), {"CDC__MERGE__SILVER_INTERVAL_S": "1"})
+    cadence = workers.SilverCadence(conf, None, log=lambda line: None)
+    time.sleep(6)
+    cadence.stopping.set()
+    cadence.thread.join(5)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(gaps) >= 2, starts
+    # a step every second (polled every 0.2 s), or right after one that took longer than the interval
+    assert all(max(1.0, step_s) - 0.05 <= gap <= max(1.0, step_s) + 0.6 for gap in gaps), gaps  # before: step + 1 s

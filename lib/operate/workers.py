@@ -204,11 +204,12 @@ class SilverCadence:
         from lib.lake import silver_step
 
         due = time.monotonic() + self.interval_s
-        while not self.stopping.wait(0.5):
+        while not self.stopping.wait(0.2):
             if time.monotonic() < due and self._pending_events() < self.threshold:
                 continue
             history = list(self.ctx.history) if self.ctx is not None else []
             newest = history[-1]["batch_id"] if history else self.done_batches
+            due = time.monotonic() + self.interval_s  # start to start: a step that ran long is not followed by a wait
             try:
                 done = silver_step.run(self.conf, self.spark, self.progress)
             except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
@@ -220,7 +221,6 @@ class SilverCadence:
             if done["tables"]:
                 self.log(f"merge     silver: {self.last['events']} event(s) of {self.last['tables']} table(s) applied, "
                          f"bronze commit {done['seq']}, {done.get('seconds')} s")
-            due = time.monotonic() + self.interval_s
 
     def raise_failure(self) -> None:
         """Stop the service when a silver step failed (its keeper starts it again; the step is repeated)."""
