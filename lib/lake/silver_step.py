@@ -59,6 +59,21 @@ def pending(spark: SparkSession, prog: Progress, log_state: bronze_log.State | N
     return behind
 
 
+def _read_applied(spark: SparkSession, prog: Progress, specs: list, threads: int = 4) -> None:
+    """What silver applied for each table not known yet, read side by side (one Delta history read per table:
+    0.3-0.5 s each, 51 tables took 20 s one after another in a new process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    missing = [spec for spec in specs if spec.qualified not in prog.applied]
+    if len(missing) < 2:
+        return
+    paths = [lake_paths.silver_path(prog.conf, spec) for spec in missing]
+    with ThreadPoolExecutor(max_workers=min(threads, len(missing)), thread_name_prefix="cdc-silver-applied") as pool:
+        for spec, seq in zip(missing, pool.map(lambda path: silver_table.applied_seq(spark, path), paths),
+                             strict=True):
+            prog.applied[spec.qualified] = seq
+
+
 def _applied(spark: SparkSession, prog: Progress, spec) -> int:
     if spec.qualified not in prog.applied:
         prog.applied[spec.qualified] = silver_table.applied_seq(spark, lake_paths.silver_path(prog.conf, spec))
@@ -78,6 +93,7 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
         return result
     state = bronze_log.state(spark, path)
     result["seq"] = state.seq
+    _read_applied(spark, prog, [spec for spec in lake_paths.table_specs(conf) if spec.qualified in state.touched])
     behind = [spec for spec in lake_paths.table_specs(conf) if (tables is None or spec.qualified in tables)
               and state.touched.get(spec.qualified, -1) > _applied(spark, prog, spec)]
     if behind:
