@@ -133,10 +133,9 @@ def plan(framed: DataFrame, schemas: Schemas, layout: Layout) -> Plan:
     for i in layout.key_ids:
         decoded.append(F.when(F.col("__kid") == i, from_avro(kbody, json.dumps(schemas.by_id[i]),
                                                              {"mode": "PERMISSIVE"})).alias(f"__k{i}"))
-    stage_schema = framed.select(*decoded).schema
-    prepared = debezium.prepared_columns(stage_schema, layout.semantic)  # Debezium writers: our types, TOAST
-    if prepared is not None:
-        stage_schema = framed.select(*decoded).select(*prepared).schema
+    stage = framed.select(*decoded)
+    prepared = debezium.prepared_columns(stage.schema, layout.semantic)  # Debezium writers: our types, TOAST
+    stage_schema = stage.select(*prepared).schema if prepared is not None else stage.schema
     env_type = _envelope_type(layout.row)
     env = F.lit(None).cast(env_type)
     for i in reversed(layout.value_ids):
