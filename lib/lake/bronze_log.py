@@ -54,30 +54,47 @@ def ensure(spark: SparkSession, path: str) -> None:
     delta_io.ensure_table(spark, path, SCHEMA)
 
 
-def rows_with_reasons(decoded: DataFrame, table: str, columns: list[Column] | None = None) -> DataFrame:
-    """A table's decoded rows (lib/lake/decode.py) in the log's layout (no _seq yet), plus why a row cannot be
-    merged (__reason, __detail: dead letters, with their raw __k and __v): one layout for every table.
-    ``columns``: log_columns(table), when the caller keeps them between batches."""
-    return decoded.select(*(columns or log_columns(table)))
+PER_TABLE = ("_table", "key", "op", "before", "after", "source", "ts_ms", "transaction", "unchanged_cols",
+             "__reason", "__detail")  # the log columns whose expression differs from table to table
 
 
-def log_columns(table: str) -> list[Column]:
-    """The projection of rows_with_reasons for a table."""
-    env = F.col("__env")
-    return [
-        F.lit(table).alias("_table"), F.to_variant_object(F.col("__key")).alias("key"), env["op"].alias("op"),
-        F.to_variant_object(env["before"]).alias("before"), F.to_variant_object(env["after"]).alias("after"),
-        env["source"].alias("source"), env["ts_ms"].alias("ts_ms"), env["transaction"].alias("transaction"),
-        env["unchanged_cols"].alias("unchanged_cols"), F.col("__tomb").alias("_tombstone"),
-        F.col("__tlsn").alias("_tombstone_lsn"), F.col("__tserial").alias("_tombstone_serial"),
-        F.col("topic").alias("_kafka_topic"), F.col("partition").alias("_kafka_partition"),
-        F.col("offset").alias("_kafka_offset"), F.col("timestamp").alias("_kafka_timestamp"),
-        F.col("__kid").alias("_key_schema_id"), F.col("__vid").alias("_value_schema_id"),
-        F.col("__batch").alias("_batch_id"), F.col("__reason"), F.col("__detail"), F.col("__k"), F.col("__v")]
+def log_columns(table: str, tag: str = "") -> dict[str, Column]:
+    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout (no _seq yet), plus why
+    a row cannot be merged (__reason, __detail: dead letters, with their raw __k and __v), by column name.
+    The caller may put a table's own reason and detail expressions in place of the __reason/__detail columns."""
+    env = F.col(f"__env{tag}")
+    return {
+        "_table": F.lit(table), "key": F.to_variant_object(F.col(f"__key{tag}")), "op": env["op"],
+        "before": F.to_variant_object(env["before"]), "after": F.to_variant_object(env["after"]),
+        "source": env["source"], "ts_ms": env["ts_ms"], "transaction": env["transaction"],
+        "unchanged_cols": env["unchanged_cols"], "_tombstone": F.col("__v").isNull(),
+        "_tombstone_lsn": F.col("__tlsn"), "_tombstone_serial": F.col("__tserial"),
+        "_kafka_topic": F.col("topic"), "_kafka_partition": F.col("partition"), "_kafka_offset": F.col("offset"),
+        "_kafka_timestamp": F.col("timestamp"), "_key_schema_id": F.col("__kid"), "_value_schema_id": F.col("__vid"),
+        "_batch_id": F.col("__batch"), "__reason": F.col("__reason"), "__detail": F.col("__detail"),
+        "__k": F.col("__k"), "__v": F.col("__v")}
+
+
+def rows_of_tables(decoded: DataFrame, tables: list[tuple[Column, dict[str, Column]]]) -> DataFrame:
+    """Decoded rows of several tables side by side (each row decoded for its own table) in the log's layout.
+
+    ``tables``: per table, the condition its rows meet and its log_columns. A column that differs by table
+    is one CASE over the tables, so the batch is one projection however many tables it holds.
+    """
+    columns = []
+    for name in tables[0][1]:
+        if name not in PER_TABLE or len(tables) == 1:
+            columns.append(tables[0][1][name].alias(name))
+            continue
+        chosen = F.when(tables[0][0], tables[0][1][name])
+        for condition, table_columns in tables[1:]:
+            chosen = chosen.when(condition, table_columns[name])
+        columns.append(chosen.alias(name))
+    return decoded.select(*columns)
 
 
 def good(combined: DataFrame) -> DataFrame:
-    """The rows of rows_with_reasons that go to the log."""
+    """The rows of rows_of_tables that go to the log."""
     return combined.filter(F.col("__reason").isNull()).select(*[f.name for f in SCHEMA.fields if f.name != "_seq"])
 
 

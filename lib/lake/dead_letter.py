@@ -18,7 +18,7 @@ SCHEMA = T.StructType([
 
 
 def rows(combined: DataFrame, query: str) -> DataFrame:
-    """The rows with a reason (lib/lake/bronze_log.py rows_with_reasons) in the dead-letter layout."""
+    """The rows with a reason (lib/lake/bronze_log.py rows_of_tables) in the dead-letter layout."""
     return combined.filter(F.col("__reason").isNotNull()).select(
         F.col("_kafka_topic").alias("topic"), F.col("_kafka_partition").alias("partition"),
         F.col("_kafka_offset").alias("offset"), F.col("_kafka_timestamp").alias("timestamp"),

@@ -92,26 +92,22 @@ def prepare(stage: DataFrame, semantic: dict[int, dict[str, str]]) -> DataFrame:
     values get their semantic fields converted and TOAST placeholders nulled (listed in a new ``unchanged_cols``),
     keys their semantic fields converted. Every other column passes unchanged; without work there is no projection.
     """
-    columns = prepared_columns(stage.schema, semantic)
-    return stage.select(*columns) if columns is not None else stage
+    mapped = mapped_columns(stage.schema, semantic)
+    return stage.select(*[mapped.get(n, F.col(n)) for n in stage.columns]) if mapped else stage
 
 
-def prepared_columns(schema: T.StructType, semantic: dict[int, dict[str, str]]) -> list[Column] | None:
-    """prepare's projection for a stage of this schema, as columns (None: nothing to map)."""
+def mapped_columns(schema: T.StructType, semantic: dict[int, dict[str, str]], tag: str = "") -> dict[str, Column]:
+    """prepare's replacements for the stage columns __v<id><tag> and __k<id><tag> of this schema, by name."""
     types = {f.name: f.dataType for f in schema.fields}
-    columns, changed = [], False
+    mapped = {}
     for name in schema.names:
-        found = re.fullmatch(r"__([vk])(\d+)", name)
+        found = re.fullmatch(r"__([vk])(\d+)" + re.escape(tag), name)
         schema_id = int(found.group(2)) if found else None
         if found and found.group(1) == "v" and schema_id in semantic:
-            columns.append(envelope(F.col(name), types[name], semantic[schema_id]).alias(name))
-            changed = True
+            mapped[name] = envelope(F.col(name), types[name], semantic[schema_id]).alias(name)
         elif found and found.group(1) == "k" and semantic.get(schema_id):
-            columns.append(convert_row(F.col(name), types[name], semantic[schema_id]).alias(name))
-            changed = True
-        else:
-            columns.append(F.col(name))
-    return columns if changed else None
+            mapped[name] = convert_row(F.col(name), types[name], semantic[schema_id]).alias(name)
+    return mapped
 
 
 def envelope(e: Column, writer: T.StructType, semantic: dict[str, str]) -> Column:

@@ -102,56 +102,67 @@ def _normalize(e: Column, writer: T.StructType, layout: Layout, schema_id: int) 
                     part("transaction", TRANSACTION_TYPE).alias("transaction"), unchanged.alias("unchanged_cols"))
 
 
+BASE = ("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf", "__kid", "__vid", "__tlsn",
+        "__tserial")  # the columns of ``headers``
+
+
 @dataclass
 class Plan:
     """One table's decode as Spark columns, built once per writer layout and applied to every batch's rows.
 
     Building the columns (thousands of Python-to-JVM calls for a table with a few writer versions) cost about
-    0.25 s per table per batch; a batch touching 51 tables paid 13 s before any row was read.
+    0.25 s per table per batch; a batch touching 51 tables paid 13 s before any row was read. Its column names
+    carry the plan's ``tag`` (``__v<id><tag>``, ``__key<tag>``, ``__env<tag>``), so that the plans of every
+    table of a batch apply side by side in one projection (lib/lake/micro_batch.py).
     """
 
-    stage: list[Column]  # the raw columns plus one from_avro per writer id
-    prepared: list[Column] | None  # Debezium writers mapped (lib/lake/debezium.py), or None
-    out: list[Column]  # __key and __env in the table's types
-    flags: list[Column]  # __tomb, __reason, __detail
+    stage: list[Column]  # one from_avro per writer id
+    mapped: dict[str, Column]  # stage columns replaced: Debezium writers mapped (lib/lake/debezium.py)
+    out: list[Column]  # __key<tag> and __env<tag> in the table's types
+    reason: Column  # why a row cannot be merged (null: it can), over __key<tag> and __env<tag>
+    detail: Column  # the reason in words, with the row's topic, partition and offset
 
 
-def plan(framed: DataFrame, schemas: Schemas, layout: Layout) -> Plan:
-    """The decode of a table's rows (from ``headers``) -> __key, __env and __tomb, or __reason/__detail.
+def plan(framed: DataFrame, schemas: Schemas, layout: Layout, tag: str = "", guard: Column | None = None) -> Plan:
+    """The decode of a table's rows (from ``headers``) -> __key, __env (names + ``tag``), or why not.
 
     Each writer id gets its own from_avro (PERMISSIVE: a body that does not decode gives nulls) under a
     ``when`` on the schema id, computed once in a projection of its own, then conformed to the table's
-    structs and combined. ``framed`` gives the input's columns; the plan applies to any frame like it.
+    structs and combined. ``guard``: a condition the row must meet to be decoded at all (a batch of many
+    tables: its table), else every column is null. ``framed`` gives the input's columns; the plan applies
+    to any frame like it.
     """
+    def guarded(c: Column) -> Column:
+        return F.when(guard, c) if guard is not None else c
+
     body = F.expr("substr(`__v`, 6)")
     kbody = F.expr("substr(`__k`, 6)")
-    decoded = [F.col(c) for c in ("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf",
-                                  "__kid", "__vid", "__tlsn", "__tserial")]
+    own = []
     for i in layout.value_ids:
-        decoded.append(F.when(F.col("__vid") == i, from_avro(body, json.dumps(schemas.by_id[i]),
-                                                             {"mode": "PERMISSIVE"})).alias(f"__v{i}"))
+        own.append(guarded(F.when(F.col("__vid") == i, from_avro(body, json.dumps(schemas.by_id[i]),
+                                                                 {"mode": "PERMISSIVE"}))).alias(f"__v{i}{tag}"))
     for i in layout.key_ids:
-        decoded.append(F.when(F.col("__kid") == i, from_avro(kbody, json.dumps(schemas.by_id[i]),
-                                                             {"mode": "PERMISSIVE"})).alias(f"__k{i}"))
-    stage = framed.select(*decoded)
-    prepared = debezium.prepared_columns(stage.schema, layout.semantic)  # Debezium writers: our types, TOAST
-    stage_schema = stage.select(*prepared).schema if prepared is not None else stage.schema
+        own.append(guarded(F.when(F.col("__kid") == i, from_avro(kbody, json.dumps(schemas.by_id[i]),
+                                                                 {"mode": "PERMISSIVE"}))).alias(f"__k{i}{tag}"))
+    stage = framed.select("*", *own)
+    mapped = debezium.mapped_columns(stage.schema, layout.semantic, tag)  # Debezium writers: our types, TOAST
+    stage_schema = stage.select(*[mapped.get(n, F.col(n)) for n in stage.columns]).schema if mapped else stage.schema
     env_type = _envelope_type(layout.row)
     env = F.lit(None).cast(env_type)
     for i in reversed(layout.value_ids):
-        writer = stage_schema[f"__v{i}"].dataType
-        env = F.when(F.col("__vid") == i, _normalize(F.col(f"__v{i}"), writer, layout, i)).otherwise(env)
+        writer = stage_schema[f"__v{i}{tag}"].dataType
+        env = F.when(F.col("__vid") == i, _normalize(F.col(f"__v{i}{tag}"), writer, layout, i)).otherwise(env)
     key = F.lit(None).cast(layout.key)
     for i in reversed(layout.key_ids):
-        key = F.when(F.col("__kid") == i, _conform(F.col(f"__k{i}"), stage_schema[f"__k{i}"].dataType,
+        key = F.when(F.col("__kid") == i, _conform(F.col(f"__k{i}{tag}"), stage_schema[f"__k{i}{tag}"].dataType,
                                                    layout.key)).otherwise(key)
-    out = [F.col(c) for c in ("__k", "__v", "topic", "partition", "offset", "timestamp", "__kf", "__vf", "__kid",
-                              "__vid", "__tlsn", "__tserial")] + [key.alias("__key"), env.alias("__env")]
+    out = [guarded(key).alias(f"__key{tag}"), guarded(env).alias(f"__env{tag}")]
     known_v = F.col("__vid").isin(layout.value_ids) if layout.value_ids else F.lit(False)
     known_k = F.col("__kid").isin(layout.key_ids) if layout.key_ids else F.lit(False)
     first_key = layout.key.fields[0].name if layout.key.fields else None
-    key_bad = F.col("__key").isNull() | (F.col("__key")[first_key].isNull() if first_key else F.lit(True))
-    op, after = F.col("__env.op"), F.col("__env.after")
+    key_col, env_col = F.col(f"__key{tag}"), F.col(f"__env{tag}")
+    key_bad = key_col.isNull() | (key_col[first_key].isNull() if first_key else F.lit(True))
+    op, after = env_col["op"], env_col["after"]
     where = F.concat_ws(" ", F.lit("at"), F.col("topic"), F.lit("partition"), F.col("partition").cast("string"),
                         F.lit("offset"), F.col("offset").cast("string"))
     tomb = F.col("__v").isNull()
@@ -172,23 +183,24 @@ def plan(framed: DataFrame, schemas: Schemas, layout: Layout) -> Plan:
         (~tomb & ~op.isin(*OPS), "bad_event",
          F.concat(F.lit("op "), op, F.lit(" is not one of c, u, d, r (truncates belong in the control topic)"))),
         (~tomb & (op != "d") & after.isNull(), "bad_event", F.concat(F.lit("op "), op, F.lit(" without after"))),
-        (~tomb & F.col("__env.source.commit_lsn").isNull(), "bad_event",
+        (~tomb & env_col["source"]["commit_lsn"].isNull(), "bad_event",
          F.lit("source.commit_lsn (and source.lsn) missing: the event has no position")),
     ]
     reason, detail = F.lit(None).cast("string"), F.lit(None).cast("string")
     for cond, name, text in reversed(rules):
         reason = F.when(cond, F.lit(name)).otherwise(reason)
         detail = F.when(cond, F.concat_ws(" ", text, where)).otherwise(detail)
-    return Plan(stage=decoded, prepared=prepared, out=out,
-                flags=[tomb.alias("__tomb"), reason.alias("__reason"), detail.alias("__detail")])
+    return Plan(stage=own, mapped=mapped, out=out, reason=reason, detail=detail)
 
 
 def apply(decoding: Plan, framed: DataFrame, batch_id: int) -> DataFrame:
-    """A table's rows (from ``headers``) decoded by its plan, with the micro-batch id (__batch)."""
-    stage = framed.select(*decoding.stage)
-    if decoding.prepared is not None:
-        stage = stage.select(*decoding.prepared)
-    return stage.select(*decoding.out).select("*", *decoding.flags, F.lit(batch_id).cast("long").alias("__batch"))
+    """A table's rows (from ``headers``) decoded by its plan (built with no tag), with the micro-batch id (__batch)."""
+    stage = framed.select("*", *decoding.stage)
+    if decoding.mapped:
+        stage = stage.select(*[decoding.mapped.get(n, F.col(n)) for n in stage.columns])
+    return stage.select(*BASE, *decoding.out).select(
+        "*", F.col("__v").isNull().alias("__tomb"), decoding.reason.alias("__reason"),
+        decoding.detail.alias("__detail"), F.lit(batch_id).cast("long").alias("__batch"))
 
 
 def decode(framed: DataFrame, spark: SparkSession, schemas: Schemas, layout: Layout, batch_id: int) -> DataFrame:

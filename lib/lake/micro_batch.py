@@ -97,7 +97,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     began = time.monotonic()
     path = lake_paths.bronze_path(ctx.conf)
     control_topic = control.topic(ctx.conf)
-    # one cached partition per core, not one per topic-partition: every table's decode scans this cache
+    # one cached partition per core, not one per topic-partition: the batch's decode scans this cache once
     cores = spark_session.cores(spark)
     raw = decode.headers(batch.coalesce(cores) if cores else batch).persist()
     frames = [raw]
@@ -127,25 +127,20 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
         cuts = {table: cut for table, cut in truncates(ctx.conf).items()
                 if ctx.truncates_logged.get(table) != cut and any(s.qualified == table for s in ctx.specs)}
         phase("control")
-        parts = []
-        for spec in ctx.specs:
+        plans = []
+        for n, spec in enumerate(ctx.specs):
             row = present.get(spec.topic)
             if row is None:
                 continue
             layout = writer_schemas.table_layout(spark, ctx.schemas, spec, set(row["v"]), set(row["k"]))
             _refuse_unknown_ids(ctx, raw, spec, layout, set(row["v"]), set(row["k"]))
-            rows = raw.filter(F.col("topic") == spec.topic)
-            decoding, columns = _plan(ctx, spec, layout, rows)
-            parts.append(bronze_log.rows_with_reasons(decode.apply(decoding, rows, batch_id), spec.qualified, columns))
-        phase("plan")
-        if not parts and not cuts:
-            return stats
-        combined = functools.reduce(DataFrame.union, parts) if parts else None  # the same columns, in order
+            plans.append((n, spec.topic, _plan(ctx, n, spec, layout, raw)))
+        combined = _decoded(raw, plans, batch_id).persist() if plans else None
         if combined is not None:
-            # the union has a partition per table and core; each task deserializes the whole plan (every table's
-            # decode) and the append writes a file per partition: coalesced, a batch runs one task per core
-            combined = (combined.coalesce(cores) if cores else combined).persist()
             frames.append(combined)
+        phase("plan")
+        if combined is None and not cuts:
+            return stats
         counts = _counts(combined) if combined is not None else {}
         phase("decode")
         for table, mine in counts.items():
@@ -184,18 +179,42 @@ _PLANS: dict = {}  # (driver, table, writer layout) -> decode plan and log colum
 PLANS_KEPT = 2000
 
 
-def _plan(ctx: MergeContext, spec: TableSpec, layout: Layout, rows: DataFrame) -> tuple:
-    """A table's decode plan and log columns, built once per process and writer layout (later catch-ups reuse it)."""
+def _plan(ctx: MergeContext, n: int, spec: TableSpec, layout: Layout, raw: DataFrame) -> tuple:
+    """A table's decode plan and log columns for a batch of many tables (the table: n, its place in ctx.specs),
+    built once per process and writer layout (later batches and catch-ups reuse them)."""
     from pyspark import SparkContext
 
-    key = (id(SparkContext._gateway), spec.qualified, tuple(layout.value_ids), tuple(layout.key_ids),
+    key = (id(SparkContext._gateway), n, spec.qualified, tuple(layout.value_ids), tuple(layout.key_ids),
            layout.row.json(), layout.key.json(), json.dumps(layout.semantic, sort_keys=True),
            json.dumps(layout.pg_names, sort_keys=True))
     if key not in _PLANS:
         if len(_PLANS) >= PLANS_KEPT:
             _PLANS.clear()
-        _PLANS[key] = (decode.plan(rows, ctx.schemas, layout), bronze_log.log_columns(spec.qualified))
+        tag = f"_t{n}"
+        decoding = decode.plan(raw.withColumn("__t", F.lit(n)), ctx.schemas, layout, tag, F.col("__t") == n)
+        columns = {**bronze_log.log_columns(spec.qualified, tag), "__reason": decoding.reason,
+                   "__detail": decoding.detail}
+        _PLANS[key] = (decoding, columns)
     return _PLANS[key]
+
+
+def _decoded(raw: DataFrame, plans: list[tuple], batch_id: int) -> DataFrame:
+    """Every table's rows of the batch decoded side by side, in the log's layout (bronze_log.rows_of_tables).
+
+    One projection per step for the whole batch, each row decoded by its own table's plan only (the plans'
+    guard: __t, the table's place in ctx.specs), instead of a branch per table scanning the batch again: a
+    batch's decode, and the plan Spark builds for it, no longer grow with the tables it touches.
+    ``plans``: (n, topic, (decode plan, log columns)) per table present.
+    """
+    place = F.create_map(*[F.lit(x) for n, topic, _ in plans for x in (topic, n)])[F.col("topic")]
+    framed = raw.select(*decode.BASE, place.alias("__t")).filter(F.col("__t").isNotNull())
+    stage = framed.select("*", *[c for _, _, (decoding, _) in plans for c in decoding.stage])
+    mapped = {name: c for _, _, (decoding, _) in plans for name, c in decoding.mapped.items()}
+    if mapped:
+        stage = stage.select(*[mapped.get(name, F.col(name)) for name in stage.columns])
+    out = stage.select(*decode.BASE, "__t", *[c for _, _, (decoding, _) in plans for c in decoding.out],
+                       F.lit(batch_id).cast("long").alias("__batch"))
+    return bronze_log.rows_of_tables(out, [(F.col("__t") == n, columns) for n, _, (_, columns) in plans])
 
 
 def _refuse_unknown_ids(ctx: MergeContext, raw: DataFrame, spec: TableSpec, layout: Layout, value_ids: set,
