@@ -186,3 +186,55 @@ def test_silver_steps_start_every_interval_and_a_long_one_is_not_followed_by_a_w
     assert len(gaps) >= 2, starts
     # a step every second (polled every 0.2 s), or right after one that took longer than the interval
     assert all(max(1.0, step_s) - 0.05 <= gap <= max(1.0, step_s) + 0.6 for gap in gaps), gaps  # before: step + 1 s
+
+
+def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_only_every_interval(monkeypatch):
+    """The end of a burst: bronze logged events and then no batch for two triggers (1 s each here), so silver steps
+    then instead of at the next interval (60 s); with nothing pending, no step runs before the interval."""
+    from types import SimpleNamespace
+
+    from lib.lake import silver_step
+
+    starts = []
+
+    def step(conf, spark, prog):
+        starts.append(time.monotonic())
+        return {"seq": len(starts), "tables": {"bank.customers": {"events": 5}}, "seconds": 0.0}
+
+    monkeypatch.setattr(silver_step, "run", step)
+    conf = config.apply_overrides(config.load("local"), {"CDC__MERGE__SILVER_INTERVAL_S": "60",
+                                                         "CDC__SERVICE__MERGE_INTERVAL": "1 second"})
+    cadence = workers.SilverCadence(conf, None, log=lambda line: None)
+    ctx = SimpleNamespace(history=[])
+    cadence.follow(ctx)
+    try:
+        time.sleep(3)
+        assert starts == []  # nothing pending
+        logged = time.monotonic()
+        ctx.history.append({"batch_id": 0, "tables": {"bank.customers": {"events": 5, "tombstones": 0}}})
+        time.sleep(3.5)
+    finally:
+        cadence.stopping.set()
+        cadence.thread.join(5)
+    assert len(starts) == 1 and 1.8 <= starts[0] - logged <= 2.8, [round(t - logged, 2) for t in starts]
+    assert cadence.changes == 1 and cadence.record()["silver_pending_events"] == 0
+
+
+def test_a_lease_is_renewed_once_a_third_of_its_validity_has_passed_not_on_every_record(conf, monkeypatch):
+    """Each renewal is a control-topic message the merge reads as a micro-batch: metrics records every 2 s must not
+    renew a 36 s lease (3 intervals + 30 s) more often than every 12 s; a service's start renews at once."""
+    renewed = []
+    monkeypatch.setattr(workers.control, "renew_lease", lambda c, name, valid_s: renewed.append((name, valid_s)))
+    monkeypatch.setattr(workers, "_RENEWED", {})
+    workers._renew_lease(conf, "merge", log=print, force=True)
+    workers._renew_lease(conf, "merge", log=print)  # the next metrics record, at once: not renewed
+    assert renewed == [("merge", 36.0)]
+    key = workers.control.lease_key(conf, "merge")
+    workers._RENEWED[key] -= 11.5  # 11.5 s later: still not
+    workers._renew_lease(conf, "merge", log=print)
+    assert renewed == [("merge", 36.0)]
+    workers._RENEWED[key] -= 0.6  # 12.1 s later: renewed
+    workers._renew_lease(conf, "merge", log=print)
+    workers._renew_lease(conf, "capture", log=print)  # another service's lease is its own
+    workers._renew_lease(conf, "merge", log=print, force=True)
+    assert renewed == [("merge", 36.0)] * 2 + [("capture", 36.0), ("merge", 36.0)]

@@ -37,10 +37,22 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def _renew_lease(conf: dict, name: str, log) -> None:
-    """Tell the notebooks, on any machine, that this service runs (control.running_service)."""
+_RENEWED: dict[str, float] = {}  # lease key -> when this process last renewed it (monotonic seconds)
+
+
+def _renew_lease(conf: dict, name: str, log, force: bool = False) -> None:
+    """Tell the notebooks, on any machine, that this service runs (control.running_service).
+
+    Renewed once a third of its validity has passed, not on every metrics record: each renewal is a message
+    in the control topic, which the merge reads, so renewing every second cost a micro-batch every second.
+    """
+    valid_s = LEASE_INTERVALS * metrics.metrics_interval_s(conf) + LEASE_SLACK_S
+    key, now = control.lease_key(conf, name), time.monotonic()
+    if not force and now - _RENEWED.get(key, float("-inf")) < valid_s / 3:
+        return
     try:
-        control.renew_lease(conf, name, LEASE_INTERVALS * metrics.metrics_interval_s(conf) + LEASE_SLACK_S)
+        control.renew_lease(conf, name, valid_s)
+        _RENEWED[key] = now
     except control.ControlError as exc:
         log(f"{name:<9} cannot renew its lease in the control topic: {exc}")
 
@@ -65,7 +77,7 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
         metrics.record(conf, "capture", capture_record(conf, m, previous, conn))
         _renew_lease(conf, "capture", log)
 
-    _renew_lease(conf, "capture", log)
+    _renew_lease(conf, "capture", log, force=True)
     try:
         result = stream.run(conf, until="forever", stop_event=stop_event, max_seconds=max_seconds,
                             metrics_callback=on_metrics, metrics_interval_s=interval,
@@ -122,7 +134,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     deadline = time.monotonic() + max_seconds if max_seconds else None
     tally = _MergeTally(conf, spark)
     failures = 0
-    _renew_lease(conf, "merge", log)
+    _renew_lease(conf, "merge", log, force=True)
     cadence = SilverCadence(conf, spark, log)
     try:
         while True:
@@ -144,11 +156,11 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                         break
                     if time.monotonic() - last >= every:
                         last = time.monotonic()
-                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.steps), **cadence.record()})
+                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record()})
                         _renew_lease(conf, "merge", log)
             finally:
                 _stop_query(query, float(config.get(conf, "service.stop_grace_s")), log)
-            metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.steps), **cadence.record()})
+            metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record()})
             if stop():
                 cadence.stop()
                 _drop_lease(conf, "merge")
@@ -174,7 +186,9 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
 
 class SilverCadence:
     """The merge service's silver steps (lib/lake/silver_step.py) in a thread of their own, beside the bronze
-    query: every merge.silver_interval, sooner once a table's pending events pass merge.silver_pending_events."""
+    query: every merge.silver_interval, sooner once a table's pending events pass merge.silver_pending_events,
+    and as soon as the bronze query has caught up with Kafka (no batch for two triggers) with events pending:
+    the end of a burst does not wait for the next interval."""
 
     def __init__(self, conf: dict, spark, log):
         from lib.lake import silver_step
@@ -182,10 +196,12 @@ class SilverCadence:
         self.conf, self.spark, self.log = conf, spark, log
         self.interval_s = float(config.get(conf, "merge.silver_interval_s"))
         self.threshold = int(config.get(conf, "merge.silver_pending_events"))
+        self.idle_s = max(2.0, 2 * trigger_seconds(str(config.get(conf, "service.merge_interval"))))
         self.progress = silver_step.progress(conf)
         self.ctx = None
-        self.steps, self.failure, self.last = 0, None, None
+        self.steps, self.changes, self.failure, self.last = 0, 0, None, None  # changes: steps that applied events
         self.done_batches = -1  # the bronze batch id the last step started after
+        self.seen = (None, time.monotonic())  # the newest bronze batch id, and when it was first seen
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="silver-cadence", daemon=True)
         self.thread.start()
@@ -205,10 +221,12 @@ class SilverCadence:
 
         due = time.monotonic() + self.interval_s
         while not self.stopping.wait(0.2):
-            if time.monotonic() < due and self._pending_events() < self.threshold:
-                continue
             history = list(self.ctx.history) if self.ctx is not None else []
             newest = history[-1]["batch_id"] if history else self.done_batches
+            if newest != self.seen[0]:
+                self.seen = (newest, time.monotonic())
+            if not self._due(due):
+                continue
             due = time.monotonic() + self.interval_s  # start to start: a step that ran long is not followed by a wait
             try:
                 done = silver_step.run(self.conf, self.spark, self.progress)
@@ -216,11 +234,17 @@ class SilverCadence:
                 self.failure = exc
                 return
             self.done_batches, self.steps = newest, self.steps + 1
+            self.changes += 1 if done["tables"] else 0
             self.last = {"at": time.time(), "seq": done["seq"], "seconds": done.get("seconds"),
                          "tables": len(done["tables"]), "events": sum(t["events"] for t in done["tables"].values())}
             if done["tables"]:
                 self.log(f"merge     silver: {self.last['events']} event(s) of {self.last['tables']} table(s) applied, "
                          f"bronze commit {done['seq']}, {done.get('seconds')} s")
+
+    def _due(self, due: float) -> bool:
+        """A step is due: the interval passed, the pending events passed the threshold, or bronze caught up."""
+        pending, now = self._pending_events(), time.monotonic()
+        return now >= due or pending >= self.threshold or (pending > 0 and now - self.seen[1] >= self.idle_s)
 
     def raise_failure(self) -> None:
         """Stop the service when a silver step failed (its keeper starts it again; the step is repeated)."""
@@ -242,6 +266,20 @@ class SilverCadence:
         self.stopping.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(float(config.get(self.conf, "service.stop_grace_s")))
+
+
+TRIGGER_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1.0, "second": 1.0,
+                 "seconds": 1.0, "minute": 60.0, "minutes": 60.0, "hour": 3600.0, "hours": 3600.0}
+
+
+def trigger_seconds(interval: str) -> float:
+    """Seconds of a trigger interval such as '1 second', '10 seconds', '500 milliseconds' or '2 minutes'."""
+    number, _, unit = interval.strip().removeprefix("interval ").strip().partition(" ")
+    try:
+        return float(number) * TRIGGER_UNITS[unit.strip().lower() or "s"]
+    except (ValueError, KeyError):
+        raise ValueError(f"service.merge_interval {interval!r} is not a number and a unit (e.g. '1 second', "
+                         f"'500 milliseconds', '2 minutes'): set it as one") from None
 
 
 def _stop_query(query, grace_s: float, log) -> None:
@@ -281,7 +319,7 @@ class _MergeTally:
 
     def tick(self, ctx, log, silver_steps: int = 0) -> dict:
         """One history record: the batches finished since the last tick, Kafka lag, silver's positions when a
-        silver step ran since."""
+        silver step applied events since (silver_steps: how many steps did)."""
         now = time.monotonic()
         interval = max(now - self.at, 1e-9)
         self.at = now
