@@ -52,13 +52,14 @@ quiet = lambda *_args, **_kwargs: None  # noqa: E731 - a log that drops lines
 # the pipeline
 
 
-def make_pipeline(folder: str, lake_root: str | None = None) -> dict:
-    """conf of a new bench database over TABLES, lake and service folder under folder, fast service cadence."""
+def make_pipeline(folder: str, lake_root: str | None = None, overrides: dict | None = None) -> dict:
+    """conf of a new bench database over TABLES, lake and service folder under folder, fast service cadence.
+    ``overrides``: settings on top (e.g. a broker of the pipeline's own: kafka.bootstrap_servers, stack.dir)."""
     extra = {"CDC__LAKE__ROOT": lake_root or os.path.join(folder, "lake"),
              "CDC__SERVICE__DIR": os.path.join(folder, "services"), "CDC__KAFKA__PARTITIONS": "2",
              "CDC__SERVICE__MERGE_INTERVAL": "2 seconds", "CDC__SERVICE__METRICS_INTERVAL_S": "2",
              "CDC__SERVICE__HEARTBEAT_S": "2", "CDC__SERVICE__RESTART_BACKOFF_S": "1",
-             "CDC__SPARK__APP_NAME": "cdc-fault-matrix"}
+             "CDC__SPARK__APP_NAME": "cdc-fault-matrix", **(overrides or {})}
     return bench_env.isolated(TABLES, extra)
 
 
@@ -515,10 +516,10 @@ def write_doc(rows: list[dict], command: str, load_before: str, load_after: str,
 # command line
 
 
-def new_context(spark, seed: int, log, lake_root: str | None = None) -> dict:
+def new_context(spark, seed: int, log, lake_root: str | None = None, overrides: dict | None = None) -> dict:
     """A pipeline of its own, running: {conf, folder, spark, seed}."""
     folder = tempfile.mkdtemp(prefix="fault-matrix-")
-    conf = make_pipeline(folder, lake_root)
+    conf = make_pipeline(folder, lake_root, overrides)
     ctx = {"conf": conf, "folder": folder, "spark": spark, "seed": seed}
     try:
         start_pipeline(conf, spark, log)

@@ -22,7 +22,7 @@ from lib.operate import teardown
 
 # Spark drivers the tests start (this process's, the notebooks' kernels, the services) compile with C1 only:
 # a test's driver lives minutes, so the optimizing compiler's CPU never pays back (docs/testing.md)
-os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1")
+os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m")
 
 
 # make test's two workers start with the longest modules, so neither waits alone for one at the end

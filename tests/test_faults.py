@@ -1,7 +1,8 @@
 """The failure matrix's fast subset on the live stack (bench/fault_matrix.py; `make faults` runs all of it).
 
-One pipeline of its own under a running workload: the Kafka broker killed (-9) with capture and merge crashing
-while it is down, then capture and merge killed (-9) at random points, twice each. After each case silver
+One pipeline of its own under a running workload, on a Kafka broker of its own (the stack's code and jars, its
+own ports and data), so that killing it touches no other test: capture and merge killed (-9) at random points,
+twice each, then the broker killed (-9) with capture and merge crashing while it is down. After each case silver
 reconciles exactly with the source, bronze holds every Kafka offset of the table topics exactly once, and no
 keeper gave up; during the Kafka outage both keepers waited for Kafka.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import own_services
 import pytest
 
 from lib import config
@@ -21,11 +23,15 @@ pytestmark = pytest.mark.stack
 
 
 @pytest.fixture(scope="module")
-def matrix(live_stack, spark_session):
-    """A running pipeline of the matrix's own (database, slot, topics, lake, services); removed afterwards."""
-    ctx = fault_matrix.new_context(spark_session, seed=7, log=lambda line: None)
-    yield ctx
-    fault_matrix.stop_pipeline(ctx["conf"], ctx["folder"], log=lambda line: None)
+def matrix(live_stack, spark_session, tmp_path_factory):
+    """A running pipeline of the matrix's own (broker, database, slot, topics, lake, services); removed afterwards."""
+    overrides = own_services.own_broker(str(tmp_path_factory.mktemp("broker")))
+    try:
+        ctx = fault_matrix.new_context(spark_session, seed=7, log=lambda line: None, overrides=overrides)
+        yield ctx
+        fault_matrix.stop_pipeline(ctx["conf"], ctx["folder"], log=lambda line: None)
+    finally:
+        own_services.stop(overrides)
 
 
 def assert_case(row: dict) -> None:
@@ -39,22 +45,21 @@ def assert_case(row: dict) -> None:
     assert row["exact"], fault_matrix.line(row)
 
 
-@pytest.mark.serial  # kills the stack's broker
+def test_capture_and_merge_killed_at_random_points_then_exact(matrix):
+    row = fault_matrix.run_case("kill_cycles", 2, matrix, log=lambda line: None)
+    assert all(set(w["states"]) == {"running"} for w in row["keeper"].values()), row["keeper"]
+    assert_case(row)
+
+
 def test_kafka_killed_while_writing_keepers_wait_then_exact(matrix, monkeypatch):
     monkeypatch.setattr(fault_matrix, "KAFKA_DOWN_S", 8.0)  # and until both keepers wait for it
     monkeypatch.setattr(fault_matrix, "CHILDREN_KILLED_AFTER_S", 3.0)
     row = fault_matrix.run_case("kafka_kill", 1, matrix, log=lambda line: None)
-    kafka = config.get(matrix["conf"], "kafka.bootstrap_servers")
+    broker = config.get(matrix["conf"], "kafka.bootstrap_servers")  # the pipeline's own
     for name in ("capture", "merge"):
         watched = row["keeper"][name]
         assert "waiting" in watched["states"], (name, watched)
-        assert watched["waiting"].startswith(f"waiting for Kafka at {kafka}"), watched
-    assert_case(row)
-
-
-def test_capture_and_merge_killed_at_random_points_then_exact(matrix):
-    row = fault_matrix.run_case("kill_cycles", 2, matrix, log=lambda line: None)
-    assert all(set(w["states"]) == {"running"} for w in row["keeper"].values()), row["keeper"]
+        assert watched["waiting"].startswith(f"waiting for Kafka at {broker}"), watched
     assert_case(row)
 
 

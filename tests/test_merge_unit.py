@@ -27,6 +27,7 @@ from pathlib import Path
 
 import deltalake
 import fastavro
+import own_services
 import pytest
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
@@ -434,7 +435,7 @@ def _later_version(writer: Writer, registry, column: str) -> tuple[Writer, int]:
 def _register(later: Writer, registry, expected: int) -> None:
     subject = schema_registry.subjects(later.topic)[1]
     got = schema_registry.register(registry, subject, later.value)[0]
-    assert got == expected, f"another schema was registered meanwhile (got id {got}, framed {expected}); run again"
+    assert got == expected, f"another schema was registered meanwhile (got id {got}, framed {expected})"
 
 
 class _Watching:
@@ -455,9 +456,17 @@ class _Watching:
             raise
 
 
-@pytest.mark.serial  # frames the id the registry gives next: nothing else may register meanwhile
-def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf, spark_session):
-    conf = config.apply_overrides(unit_conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "fail",
+@pytest.fixture(scope="module")
+def own_registry(tmp_path_factory):
+    """Overrides for a registry of this module's own: the tests below frame the id it gives next, so nothing else may
+    register there meanwhile (the rest of the suite registers on the stack's registry beside them)."""
+    overrides = own_services.own_registry(str(tmp_path_factory.mktemp("registry")))
+    yield overrides
+    own_services.stop(overrides)
+
+
+def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf, own_registry, spark_session):
+    conf = config.apply_overrides(unit_conf, {**own_registry, "CDC__MERGE__UNKNOWN_SCHEMA_IDS": "fail",
                                               "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "20"})
     registry = schema_registry.client(conf)
     items = Writer(registry, config.get(conf, "kafka.topic_prefix"), ITEMS)
@@ -495,10 +504,9 @@ def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(uni
     assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
 
 
-@pytest.mark.serial  # frames the id the registry gives next: nothing else may register meanwhile
-def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, spark_session):
-    conf = config.apply_overrides(unit_conf, {"CDC__LAKE__ROOT": str(Path(config.get(unit_conf, "lake.root"))
-                                                                     / f"replay-{uuid.uuid4().hex[:6]}")})
+def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, own_registry, spark_session):
+    conf = config.apply_overrides(unit_conf, {**own_registry, "CDC__LAKE__ROOT": str(
+        Path(config.get(unit_conf, "lake.root")) / f"replay-{uuid.uuid4().hex[:6]}")})
     registry = schema_registry.client(conf)
     items = Writer(registry, config.get(conf, "kafka.topic_prefix"), ITEMS)
     later, schema_id = _later_version(items, registry, "late_b")
