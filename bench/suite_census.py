@@ -5,7 +5,8 @@
 Polls /proc every 0.2 s while the command runs (a JVM or a kernel lives seconds at least, so none is
 missed), prints the command's exit status, wall time, CPU seconds of the whole machine and one line per
 kind, then per kind the test modules that started them (a child inherits PYTEST_CURRENT_TEST from the test
-that runs it). docs/testing.md keeps its figures.
+that runs it), and the CPU seconds the started processes used, by test module and by kind. docs/testing.md
+keeps its figures.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 KINDS = [  # (kind, a string of the command line that names it), first match wins
+    # each pytest worker's own Spark session lives through every module the worker runs: a kind of its own
+    ("tests' shared spark session (one per worker)", "popen-gw"),
     # spark-submit first runs Spark's launcher, a short JVM whose command line also names SparkSubmit
     ("spark launcher (one per driver start)", "org.apache.spark.launcher.Main"),
     ("spark driver", "org.apache.spark.deploy.SparkSubmit"),
@@ -61,6 +64,15 @@ def started_by(pid: int) -> str:
     return "-"
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """User and system CPU of pid so far, in clock ticks (None once it is gone)."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
 def machine_cpu_s() -> float:
     """CPU seconds every core spent busy since boot (user, nice, system, irq, softirq, steal)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
@@ -74,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     seen, counts, by_test = set(cmdlines()), Counter(), Counter()
+    labels: dict[int, tuple[str, str]] = {}  # pid -> (kind or "other", test module) of what the command started
+    ticks: dict[int, int] = {}  # pid -> its CPU ticks when last seen (a process gone between polls loses < 0.2 s)
     print("load average before:", " ".join(f"{v:.2f}" for v in os.getloadavg()), flush=True)
     cpu0, t0 = machine_cpu_s(), time.monotonic()
     child = subprocess.Popen(command)
@@ -82,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             if pid not in seen:
                 seen.add(pid)
                 kind = kind_of(cmdline)
+                labels[pid] = (kind or "other", started_by(pid))
                 if kind:
                     counts[kind] += 1
-                    by_test[kind, started_by(pid)] += 1
+                    by_test[kind, labels[pid][1]] += 1
+            if pid in labels:
+                ticks[pid] = cpu_ticks(pid) or ticks.get(pid, 0)
         time.sleep(0.2)
     wall, cpu = time.monotonic() - t0, machine_cpu_s() - cpu0
     print("load average after: ", " ".join(f"{v:.2f}" for v in os.getloadavg()))
@@ -95,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         tests = sorted(((n, test) for (k, test), n in by_test.items() if k == kind), reverse=True)
         if tests:
             print(f"{kind}, by test module: " + ", ".join(f"{test} {n}" for n, test in tests))
+    hz = os.sysconf("SC_CLK_TCK")
+    for index, title in ((1, "test module (what its processes used, not the pytest worker itself)"), (0, "kind")):
+        spent = Counter()
+        for pid, label in labels.items():
+            spent[label[index]] += ticks.get(pid, 0) / hz
+        print(f"CPU seconds by {title}: " + ", ".join(f"{name} {s:.0f}" for name, s in spent.most_common(25)))
     return child.returncode
 
 
