@@ -189,8 +189,8 @@ def test_silver_steps_start_every_interval_and_a_long_one_is_not_followed_by_a_w
 
 
 def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_only_every_interval(monkeypatch):
-    """The end of a burst: bronze logged events and then no batch for two triggers (1 s each here), so silver steps
-    then instead of at the next interval (60 s); with nothing pending, no step runs before the interval."""
+    """The end of a burst: bronze logged events and then no batch ran for two triggers (1 s each here), so silver
+    steps then instead of at the next interval (60 s); not while a long batch runs, nor with nothing pending."""
     from types import SimpleNamespace
 
     from lib.lake import silver_step
@@ -205,13 +205,17 @@ def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_on
     conf = config.apply_overrides(config.load("local"), {"CDC__MERGE__SILVER_INTERVAL_S": "60",
                                                          "CDC__SERVICE__MERGE_INTERVAL": "1 second"})
     cadence = workers.SilverCadence(conf, None, log=lambda line: None)
-    ctx = SimpleNamespace(history=[])
+    ctx = SimpleNamespace(history=[], active=False)
     cadence.follow(ctx)
     try:
         time.sleep(3)
         assert starts == []  # nothing pending
-        logged = time.monotonic()
         ctx.history.append({"batch_id": 0, "tables": {"bank.customers": {"events": 5, "tombstones": 0}}})
+        ctx.active = True  # the next micro-batch runs long: bronze is not idle, however long since the last ended
+        time.sleep(3)
+        assert starts == []
+        ctx.active, logged = False, time.monotonic()
+        ctx.history.append({"batch_id": 1, "tables": {"bank.customers": {"events": 2, "tombstones": 0}}})
         time.sleep(3.5)
     finally:
         cadence.stopping.set()

@@ -46,6 +46,7 @@ class MergeContext:
     truncates_logged: dict[str, tuple] | None = None  # table -> the truncate the log holds last
     appended: dict = field(default_factory=dict)  # dead-letter path -> last batch id appended by this context
     retired: frozenset = frozenset()  # topics re-keyed tables wrote before: read (Spark needs it), skipped
+    active: bool = False  # a micro-batch is running now (the silver cadence waits for bronze to be idle)
 
     def spec(self, topic: str) -> TableSpec | None:
         """The table a topic belongs to."""
@@ -84,11 +85,14 @@ def process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     Safe to run again with the same batch_id (a retried batch): a log or dead-letter append that was
     committed is found by its batch id and not repeated.
     """
+    ctx.active = True
     try:
         return _process_batch(batch, batch_id, ctx)
     except BaseException as exc:
         ctx.failure = (batch_id, exc)
         raise
+    finally:
+        ctx.active = False
 
 
 def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:

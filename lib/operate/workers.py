@@ -242,9 +242,11 @@ class SilverCadence:
                          f"bronze commit {done['seq']}, {done.get('seconds')} s")
 
     def _due(self, due: float) -> bool:
-        """A step is due: the interval passed, the pending events passed the threshold, or bronze caught up."""
+        """A step is due: the interval passed, the pending events passed the threshold, or bronze caught up (no
+        micro-batch runs, and none ended for two triggers: not merely a long batch under way)."""
         pending, now = self._pending_events(), time.monotonic()
-        return now >= due or pending >= self.threshold or (pending > 0 and now - self.seen[1] >= self.idle_s)
+        idle = not getattr(self.ctx, "active", False) and now - self.seen[1] >= self.idle_s
+        return now >= due or pending >= self.threshold or (pending > 0 and idle)
 
     def raise_failure(self) -> None:
         """Stop the service when a silver step failed (its keeper starts it again; the step is repeated)."""
