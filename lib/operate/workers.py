@@ -187,8 +187,8 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
 class SilverCadence:
     """The merge service's silver steps (lib/lake/silver_step.py) in a thread of their own, beside the bronze
     query: every merge.silver_interval, sooner once a table's pending events pass merge.silver_pending_events,
-    and as soon as the bronze query has caught up with Kafka (no batch for two triggers) with events pending:
-    the end of a burst does not wait for the next interval."""
+    and as soon as the bronze query has caught up (no micro-batch running, none for two triggers) with events
+    pending: the end of a burst does not wait for the next interval."""
 
     def __init__(self, conf: dict, spark, log):
         from lib.lake import silver_step
