@@ -92,7 +92,7 @@ lint: $(STAMP)
 test: sample lint  ## the whole suite against the running stack (notebooks under nbval; PostgreSQL 13 and 18 beside it)
 	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
 	export CDC_PG_MAJORS=$(PG_MAJORS_TEST)
-	# two workers, a module (the notebooks: all five, in order) on one; then the tests that need the stack alone
+	# three workers, a module (the notebooks: all five, in order) on one; then the tests that need the stack alone
 	status=0
 	$(PY) -m pytest -n 3 -m "not serial" --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
 	$(PY) -m pytest -m serial --durations=10 tests || status=$$?

@@ -21,11 +21,12 @@ from lib.local import sample_db, stack
 from lib.operate import teardown
 
 # Spark drivers the tests start (this process's, the notebooks' kernels, the services) compile with C1 only:
-# a test's driver lives minutes, so the optimizing compiler's CPU never pays back (docs/testing.md)
+# a test's driver lives minutes, so the optimizing compiler's CPU never pays back; C1 alone keeps a 48 MB code
+# cache, which a driver fills in about 40 s (then its compiler is off), hence the 240 MB (docs/testing.md)
 os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m")
 
 
-# make test's two workers start with the longest modules, so neither waits alone for one at the end
+# make test's workers start with the longest modules, so none waits alone for one at the end
 FIRST = ["notebooks", "test_own_database", "test_faults", "test_pg_versions", "test_incremental", "test_service",
          "test_debezium_interop", "test_views_persist"]
 

@@ -50,8 +50,12 @@ def own_broker(folder: str) -> dict:
                  "CDC__STACK__KAFKA__CONTROLLER_PORT": str(first + 1),
                  "CDC__STACK__KAFKA__SASL_SSL_PORT": str(first + 2), "CDC__STACK__KAFKA__SSL_PORT": str(first + 3)}
     conf = config.apply_overrides(base, overrides)
-    _wait(conf, kafka, where, kafka.start(conf, where, log=quiet))
-    kafka.ensure_user(conf, where)
+    try:
+        _wait(conf, kafka, where, kafka.start(conf, where, log=quiet))
+        kafka.ensure_user(conf, where)
+    except BaseException:
+        stop(overrides)
+        raise
     return overrides
 
 
@@ -68,7 +72,11 @@ def own_registry(folder: str) -> dict:
                  "CDC__STACK__REGISTRY__HTTPS_PORT": str(first + 2), "CDC__STACK__REGISTRY__DATABASE": database}
     _database(base, database, create=True)
     conf = config.apply_overrides(base, overrides)
-    _wait(conf, registry, where, registry.start(conf, where, log=quiet))
+    try:
+        _wait(conf, registry, where, registry.start(conf, where, log=quiet))
+    except BaseException:
+        stop(overrides)
+        raise
     return overrides
 
 

@@ -196,9 +196,7 @@ def _plan(ctx: MergeContext, n: int, spec: TableSpec, layout: Layout, raw: DataF
             _PLANS.clear()
         tag = f"_t{n}"
         decoding = decode.plan(raw.withColumn("__t", F.lit(n)), ctx.schemas, layout, tag, F.col("__t") == n)
-        columns = {**bronze_log.log_columns(spec.qualified, tag), "__reason": decoding.reason,
-                   "__detail": decoding.detail}
-        _PLANS[key] = (decoding, columns)
+        _PLANS[key] = (decoding, bronze_log.log_columns(spec.qualified, tag, decoding.reason, decoding.detail))
     return _PLANS[key]
 
 

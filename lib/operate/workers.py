@@ -316,12 +316,12 @@ class _MergeTally:
         self.batches = 0
         self.last: dict[int, int] = {}  # id(merge context) -> last batch id counted (each query start has its own)
         self.positions: dict[str, int | None] = {}
-        self.silver_steps = 0
+        self.silver_changes = 0
         self.at = time.monotonic()
 
-    def tick(self, ctx, log, silver_steps: int = 0) -> dict:
+    def tick(self, ctx, log, silver_changes: int = 0) -> dict:
         """One history record: the batches finished since the last tick, Kafka lag, silver's positions when a
-        silver step applied events since (silver_steps: how many steps did)."""
+        silver step applied events since (silver_changes: how many steps did so far)."""
         now = time.monotonic()
         interval = max(now - self.at, 1e-9)
         self.at = now
@@ -335,8 +335,8 @@ class _MergeTally:
                 per_table[table] = per_table.get(table, 0) + n
                 self.events[table] = self.events.get(table, 0) + n
                 self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
-        if silver_steps != self.silver_steps or not self.positions:
-            self.silver_steps = silver_steps
+        if silver_changes != self.silver_changes or not self.positions:
+            self.silver_changes = silver_changes
             try:
                 self.positions = monitor.merged_positions(self.conf, self.spark)
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop the merge
