@@ -16,7 +16,7 @@ import uuid
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
-from slots import confirmed_lsn
+from slots import confirmed_lsn, wait_released
 
 from lib import config, source
 from lib.capture import avro_schemas, catalog, replication, stream
@@ -139,6 +139,7 @@ def test_stream_confirms_only_what_was_acknowledged_and_the_server_resends_the_r
         conn.close()
     assert confirmed < below_b, f"slot confirmed {confirmed:X}, past T2b ({below_b:X}), which was never acknowledged"
     # a restart resends T2b (id 1001): nothing was lost
+    wait_released(hazard)
     conn = source.connect(hazard, replication=True)
     conn.cursor().start_replication(slot_name=config.get(hazard, "source.slot"), decode=False,
                                     options={"proto_version": "1",
