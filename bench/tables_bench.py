@@ -152,7 +152,8 @@ def timed_catch_up(conf: dict, spark, label: str, log) -> dict:
            "rate": pending / seconds if seconds else 0.0, "silver_s": silver_s, "silver_tables": len(step["tables"])}
     log(f"{label}: bronze {pending:,} messages in {seconds:.1f} s over {done['batches']} batch(es) "
         f"{row['batch_seconds']}, {row['rate']:,.0f}/s; silver step {silver_s:.1f} s over {row['silver_tables']} "
-        f"table(s); phases of each batch (s): {done.get('batch_phases')}")
+        f"table(s); phases of each batch (s): {done.get('batch_phases')}; silver phases (s): {step.get('phases')}, "
+        f"its tables (s): {sorted(t['seconds'] for t in step['tables'].values())}")
     return row
 
 

@@ -110,7 +110,7 @@ DEFAULTS: dict[str, object] = {
     "merge.silver_interval_s": 30.0,
     "merge.silver_pending_events": 200_000,  # a step sooner once the bronze query logged this many events
     "merge.compact_interval_minutes": 10,  # OPTIMIZE of the bronze log (one small file per trigger otherwise)
-    "merge.parallelism": 4,  # a micro-batch's Delta writes run side by side
+    "merge.parallelism": 4,  # a silver step's MERGEs run side by side (sessions of their own)
     "merge.tombstone_retention_hours": 168,
     "merge.cleanup_interval_minutes": 60,
     "merge.control_timeout_s": 30,

@@ -233,6 +233,7 @@ def run(unit_conf, spark_session):
     again.applied = {spec.qualified: seq_after_0 for spec in lake_paths.table_specs(conf)}
     steps.append(silver_step.run(conf, spark, again))
     return {"conf": conf, "spark": spark, "stats": stats, "steps": steps, "versions_after_1": versions_after_1,
+            "sessions": len(prog.sessions),
             "versions_after_retry": versions_after_retry, "silver_after_1": silver_after_1,
             "silver_after_retry": silver_after_retry, "silver_after_repeat": _silver_rows(spark, conf),
             "items_id": items.value_id,
@@ -355,6 +356,16 @@ def test_a_silver_step_repeated_after_a_crash_changes_no_row(run):
     repeated = run["steps"][2]["tables"]
     assert set(repeated) == {"unit.items", "unit.evolve", "unit.trunc"} and repeated["unit.items"]["events"] == 6
     assert run["silver_after_repeat"] == run["silver_after_1"]
+
+
+def test_a_steps_merges_run_side_by_side_and_each_commit_records_its_own_table(run):
+    assert run["sessions"] == 3  # one session each: merge.parallelism (4) covers the three tables
+    for spec in lake_paths.table_specs(run["conf"]):
+        path = lake_paths.silver_path(run["conf"], spec)
+        merges = [json.loads(r["userMetadata"]) for r in run["spark"].sql(
+            f"DESCRIBE HISTORY delta.`{path}`").collect() if r["operation"] == "MERGE"]
+        assert len(merges) >= 2 and {m["table"] for m in merges} == {spec.qualified}
+        assert merges[0]["bronze_seq"] == run["steps"][0]["seq"]
 
 
 def test_summary_and_cleanup_of_old_tombstones(run):

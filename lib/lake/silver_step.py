@@ -39,6 +39,7 @@ class Progress:
     last_cleanup: float = field(default_factory=time.monotonic)
     last_compaction: float = field(default_factory=time.monotonic)
     history: list[dict] = field(default_factory=list)
+    sessions: list = field(default_factory=list)  # sessions of their own for MERGEs side by side
 
 
 def progress(conf: dict) -> Progress:
@@ -88,12 +89,13 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
     prog = prog or progress(conf)
     began = time.monotonic()
     path = lake_paths.bronze_path(conf)
-    result = {"seq": -1, "tables": {}}
+    result = {"seq": -1, "tables": {}, "phases": {}}
     if not delta_io.is_table(spark, path):
         return result
     state = bronze_log.state(spark, path)
     result["seq"] = state.seq
     _read_applied(spark, prog, [spec for spec in lake_paths.table_specs(conf) if spec.qualified in state.touched])
+    result["phases"]["state"] = round(time.monotonic() - began, 2)
     behind = [spec for spec in lake_paths.table_specs(conf) if (tables is None or spec.qualified in tables)
               and state.touched.get(spec.qualified, -1) > _applied(spark, prog, spec)]
     if behind:
@@ -105,17 +107,56 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
             counted = {row["_table"]: row for row in pending.groupBy("_table").agg(
                 F.count(F.when((F.col("op") != bronze_log.TRUNCATE_OP) | F.col("op").isNull(), 1)).alias("n"),
                 F.count(F.when(F.size("unchanged_cols") > 0, 1)).alias("toast")).collect()}
-            for spec in behind:
-                result["tables"][spec.qualified] = _step_table(spark, prog, spec, state.seq, pending,
-                                                               counted.get(spec.qualified), cuts)
+            result["phases"]["slice"] = round(time.monotonic() - began - result["phases"]["state"], 2)
+            for spec, done in _side_by_side(spark, prog, behind, lambda session, spec: _step_table(
+                    session, prog, spec, state.seq, pending, counted.get(spec.qualified), cuts)):
+                result["tables"][spec.qualified] = done
         finally:
             pending.unpersist()
+    merged = time.monotonic()
     _maintain(conf, spark, prog, path)
+    result["phases"]["maintain"] = round(time.monotonic() - merged, 2)
     result["seconds"] = round(time.monotonic() - began, 2)
     if result["tables"]:
         log.info("silver step to bronze commit %s: %s", state.seq, result["tables"])
         prog.history = (prog.history + [{**result, "at": time.time()}])[-100:]
     return result
+
+
+def _sessions(spark: SparkSession, prog: Progress, count: int) -> list[SparkSession]:
+    """Up to merge.parallelism sessions for MERGEs side by side: each MERGE's record of what it applied is a
+    session setting, so two MERGEs at once need two sessions (one, the caller's, over Spark Connect)."""
+    want = min(count, max(1, int(config.get(prog.conf, "merge.parallelism"))))
+    if want < 2 or type(spark).__module__.startswith("pyspark.sql.connect"):
+        return [spark]
+    while len(prog.sessions) < want:
+        prog.sessions.append(spark.newSession())
+    return prog.sessions[:want]
+
+
+def _side_by_side(spark: SparkSession, prog: Progress, specs: list, step) -> list:
+    """step(session, spec) for every spec, up to merge.parallelism at once; [(spec, result)] in specs' order.
+
+    A table whose step fails raises once the others have finished (their progress is recorded).
+    """
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for session in _sessions(spark, prog, len(specs)):
+        free.put(session)
+
+    def one(spec):
+        session = free.get()
+        try:
+            return step(session, spec)
+        finally:
+            free.put(session)
+
+    if free.qsize() == 1:
+        return [(spec, one(spec)) for spec in specs]
+    with ThreadPoolExecutor(max_workers=free.qsize(), thread_name_prefix="cdc-silver-merge") as pool:
+        return list(zip(specs, pool.map(one, specs), strict=True))
 
 
 def _step_table(spark: SparkSession, prog: Progress, spec, seq: int, pending, counted, cuts: dict) -> dict:

@@ -253,15 +253,17 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
         known = ready[path] = {"row": layout.row, "filled": False}
     if not known["filled"]:
         known["filled"] = delta_io.has_files(spark, path)
+    # a global view: the source may belong to another session than the MERGE (silver_step's side-by-side MERGEs)
     view = "cdc_silver_pending_" + re.sub(r"[^A-Za-z0-9_]", "_", spec.qualified)
-    statement = merge_sql(f"delta.{quote(path)}", view, keys, payload, known["filled"], truncate, seq)
-    source.createOrReplaceTempView(view)
+    statement = merge_sql(f"delta.{quote(path)}", f"global_temp.{view}", keys, payload, known["filled"], truncate,
+                          seq)
+    source.createOrReplaceGlobalTempView(view)
     spark.conf.set(USER_METADATA, json.dumps({"bronze_seq": int(seq), "table": spec.qualified}))
     try:
         spark.sql(statement)
     finally:
         spark.conf.unset(USER_METADATA)
-        spark.catalog.dropTempView(view)
+        spark.catalog.dropGlobalTempView(view)
 
 
 def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int) -> None:
