@@ -161,9 +161,7 @@ def spark_session(conf, tmp_path_factory):
     """A local Spark session with Delta, the Kafka source and Avro, as conf/local.yml sets it up, with a
     metastore of its own (embedded Derby admits one driver: notebooks use the shared one meanwhile)."""
     test_conf = spark.with_metastore(conf, str(tmp_path_factory.mktemp("metastore")))
-    # a worker's session lives the whole run (15 minutes, half the suite's CPU): full tiered compilation pays back
-    session = spark.from_conf(config.apply_overrides(test_conf, {
-        "CDC__SPARK__APP_NAME": "cdc-tests", "CDC__SPARK__DRIVER_JAVA_OPTIONS": "-XX:ReservedCodeCacheSize=240m"}))
+    session = spark.from_conf(config.apply_overrides(test_conf, {"CDC__SPARK__APP_NAME": "cdc-tests"}))
     yield session
     session.stop()
 
