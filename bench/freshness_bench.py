@@ -15,12 +15,15 @@ trigger touches many tables). A row's commit time is when its COMMIT returned to
 - **silver**: a thread reads t01's silver table with delta-rs (``deltalake``, outside Spark) every 0.2 s;
   latency = the end of the first read that holds the row minus its commit time.
 
-Reported per n: p50, p90, p99 and max of both, the queries' own durations, and the merge's CPU seconds.
+Reported per n: p50, p90, p99 and max of both, the queries' own durations, the merge's CPU seconds, and where
+a t01 row's fresh latency went: commit -> a Kafka consumer of this process got it -> the bronze log commit that
+holds it (its commit time, read with delta-rs at the end) -> the fresh query that first returned it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -30,11 +33,13 @@ import time
 from pathlib import Path
 
 import deltalake
+from confluent_kafka import OFFSET_END
+from pyspark.sql.types import VariantVal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 
-from lib import config, source  # noqa: E402
+from lib import config, kafka_client, source  # noqa: E402
 from lib import spark as spark_lib  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths  # noqa: E402
@@ -101,6 +106,23 @@ def run(n: int, args, log) -> dict:
             conn.close()
             writing.clear()
 
+        arrived: dict[tuple[int, int], float] = {}  # (partition, offset) of t01's topic -> when a consumer got it
+        topic = lake_paths.table_spec(conf, "fresh.t01").topic
+
+        def watch_kafka() -> None:
+            from confluent_kafka import TopicPartition
+
+            consumer = kafka_client.consumer(conf, "fresh-bench", **{"enable.auto.commit": False})
+            parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            consumer.assign([TopicPartition(topic, p, OFFSET_END) for p in parts])
+            try:
+                while not stop.is_set():
+                    message = consumer.poll(0.05)
+                    if message is not None and message.error() is None:
+                        arrived[(message.partition(), message.offset())] = time.time()
+            finally:
+                consumer.close()
+
         def watch_silver() -> None:
             while not stop.is_set():
                 try:
@@ -114,9 +136,12 @@ def run(n: int, args, log) -> dict:
                 time.sleep(0.2)
 
         writing.set()
-        threads = [threading.Thread(target=write, daemon=True), threading.Thread(target=watch_silver, daemon=True)]
+        threads = [threading.Thread(target=watch_kafka, daemon=True)]
+        threads[0].start()
+        time.sleep(2)  # the consumer is assigned before the first write
+        threads += [threading.Thread(target=write, daemon=True), threading.Thread(target=watch_silver, daemon=True)]
         cpu_before = bench_env.cpu_seconds(conf)
-        for thread in threads:
+        for thread in threads[1:]:
             thread.start()
         deadline = time.monotonic() + args.seconds + float(config.get(conf, "merge.silver_interval_s")) + 60
         while time.monotonic() < deadline:
@@ -136,6 +161,7 @@ def run(n: int, args, log) -> dict:
         cpu_after = bench_env.cpu_seconds(conf)
         fresh = [seen_fresh[r] - committed[r] for r in committed if r in seen_fresh]
         silver = [seen_silver[r] - committed[r] for r in committed if r in seen_silver]
+        legs = stages(conf, topic, committed, arrived, seen_fresh)
         records = metrics.records(conf, "merge")
         batch_s = [s for r in records for s in r.get("batch_seconds") or []]
         phase_s = {}
@@ -151,6 +177,7 @@ def run(n: int, args, log) -> dict:
         result = {"tables": n, "rows_watched": len(committed), "fresh": percentiles(fresh),
                   "silver": percentiles(silver), "query_s": percentiles(query_s),
                   "missing_fresh": len(committed) - len(fresh), "missing_silver": len(committed) - len(silver),
+                  "legs": {name: percentiles(values) for name, values in legs.items()},
                   "silver_steps": int(merge_rows["silver_steps"].max()) if "silver_steps" in merge_rows else None,
                   "cpu_s": {k: round(cpu_after.get(k, 0) - cpu_before.get(k, 0), 1) for k in cpu_after}}
         f, s = (result[part] for part in ("fresh", "silver"))
@@ -160,6 +187,39 @@ def run(n: int, args, log) -> dict:
     finally:
         service.stop(conf, log=lambda *a: None)
         bench_env.finish(conf, folder, spark, log=log)
+
+
+def stages(conf: dict, topic: str, committed: dict, arrived: dict, seen_fresh: dict) -> dict[str, list[float]]:
+    """Where each row's latency went: commit -> a Kafka consumer got it -> its bronze log commit -> a fresh
+    query returned it (the bronze log read once at the end with delta-rs; a commit's time from its history)."""
+    log_path = lake_paths.bronze_path(conf)
+    table = deltalake.DeltaTable(log_path)
+    at_seq = {}
+    for commit in table.history():
+        try:
+            meta = json.loads(commit.get("userMetadata") or "{}")
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and "seq" in meta:
+            at_seq[int(meta["seq"])] = commit["timestamp"] / 1000
+    rows = table.to_pyarrow_table(columns=["_kafka_topic", "_kafka_partition", "_kafka_offset", "_seq", "key"])
+    logged = {}
+    for r in rows.to_pylist():
+        if r["_kafka_topic"] == topic and r["_seq"] in at_seq:
+            logged[(r["_kafka_partition"], r["_kafka_offset"])] = at_seq[r["_seq"]]
+    key_of = {}
+    for r in rows.to_pylist():  # the row's id, from the VARIANT key (value and metadata bytes)
+        if r["_kafka_topic"] == topic and r["key"] is not None:
+            key_of[(r["_kafka_partition"], r["_kafka_offset"])] = VariantVal(r["key"]["value"],
+                                                                             r["key"]["metadata"]).toPython()["id"]
+    legs: dict[str, list[float]] = {"commit -> Kafka": [], "Kafka -> bronze commit": [], "bronze commit -> query": []}
+    for place, row in key_of.items():
+        if row not in committed or place not in arrived or place not in logged or row not in seen_fresh:
+            continue
+        legs["commit -> Kafka"].append(arrived[place] - committed[row])
+        legs["Kafka -> bronze commit"].append(logged[place] - arrived[place])
+        legs["bronze commit -> query"].append(seen_fresh[row] - logged[place])
+    return legs
 
 
 def report(args, results: list[dict], before: str, after: str) -> str:
@@ -174,6 +234,12 @@ def report(args, results: list[dict], before: str, after: str) -> str:
                      f"{f.get('max', 0):.2f} s | {s.get('p50', 0):.2f} s | {s.get('p90', 0):.2f} s | "
                      f"{s.get('p99', 0):.2f} s | {q.get('p50', 0):.2f} s | {r['rows_watched']} | {r['silver_steps']} | "
                      f"{sum(r['cpu_s'].values()):.0f} |")
+    for r in results:
+        lines += ["", f"{r['tables']} table(s), where a row's fresh latency went (seconds):", "",
+                  "| leg | rows | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+        for name, p in r["legs"].items():
+            lines.append(f"| {name} | {p['n']} | {p.get('p50', 0):.2f} | {p.get('p90', 0):.2f} | "
+                         f"{p.get('p99', 0):.2f} |")
     return "\n".join(lines)
 
 
