@@ -9,9 +9,10 @@ one-row transactions at --rate per second for --seconds, round-robin over the n 
 trigger touches many tables). A row's commit time is when its COMMIT returned to the writer.
 
 - **fresh**: this process queries ``<t01>_fresh`` (the masked view, built once over this run's lake, in a
-  metastore of its own) in a loop, ``SELECT id ... WHERE id >= <the oldest row not seen yet>``; a row's
-  latency is the end of the first query that returned it minus its commit time, so a query's own duration is
-  counted, as an analyst waits for it;
+  metastore of its own; or with ``--reader python``, ``lib.lake.fresh_read.rows``: silver and the topic's tail
+  read without Spark, masked by the same policy) in a loop, ``SELECT id ... WHERE id >= <the oldest row not seen
+  yet>``; a row's latency is the end of the first query that returned it minus its commit time, so a query's own
+  duration is counted, as an analyst waits for it;
 - **silver**: a thread reads t01's silver table with delta-rs (``deltalake``, outside Spark) every 0.2 s;
   latency = the end of the first read that holds the row minus its commit time.
 
@@ -42,7 +43,7 @@ import bench_env  # noqa: E402 - the sibling module, found through the path set 
 from lib import config, kafka_client, source  # noqa: E402
 from lib import spark as spark_lib  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
-from lib.lake import lake_paths  # noqa: E402
+from lib.lake import fresh_read, lake_paths  # noqa: E402
 from lib.operate import keeper, metrics, monitor, service  # noqa: E402
 from lib.views import masking  # noqa: E402
 
@@ -150,7 +151,10 @@ def run(n: int, args, log) -> dict:
                 break
             low = min(waiting) if waiting else 1_000_001
             began = time.time()
-            ids = [r["id"] for r in spark.sql(f"SELECT id FROM {view} WHERE id >= {low}").collect()]
+            if args.reader == "python":
+                ids = [r["id"] for r in fresh_read.rows(conf, "fresh.t01", policy=policy) if r["id"] >= low]
+            else:
+                ids = [r["id"] for r in spark.sql(f"SELECT id FROM {view} WHERE id >= {low}").collect()]
             done = time.time()
             query_s.append(done - began)
             for row in ids:
@@ -212,18 +216,21 @@ def stages(conf: dict, topic: str, committed: dict, arrived: dict, seen_fresh: d
         if r["_kafka_topic"] == topic and r["key"] is not None:
             key_of[(r["_kafka_partition"], r["_kafka_offset"])] = VariantVal(r["key"]["value"],
                                                                              r["key"]["metadata"]).toPython()["id"]
-    legs: dict[str, list[float]] = {"commit -> Kafka": [], "Kafka -> bronze commit": [], "bronze commit -> query": []}
+    legs: dict[str, list[float]] = {"commit -> Kafka": [], "Kafka -> bronze commit": [], "bronze commit -> query": [],
+                                    "Kafka -> query": []}
     for place, row in key_of.items():
         if row not in committed or place not in arrived or place not in logged or row not in seen_fresh:
             continue
         legs["commit -> Kafka"].append(arrived[place] - committed[row])
         legs["Kafka -> bronze commit"].append(logged[place] - arrived[place])
         legs["bronze commit -> query"].append(seen_fresh[row] - logged[place])
+        legs["Kafka -> query"].append(seen_fresh[row] - arrived[place])
     return legs
 
 
 def report(args, results: list[dict], before: str, after: str) -> str:
-    lines = [f"freshness: {args.rate:g} one-row transactions/s for {args.seconds:g} s, defaults of conf/local.yml; "
+    lines = [f"freshness ({args.reader} reader): {args.rate:g} one-row transactions/s for {args.seconds:g} s, "
+             f"defaults of conf/local.yml; "
              f"load before {before}, after {after}", "",
              "| tables written | fresh p50 | fresh p90 | fresh p99 | fresh max | silver p50 | silver p90 | "
              "silver p99 | fresh query p50 | rows | silver steps | CPU s (stack and services) |",
@@ -248,6 +255,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="one-row transactions per second")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 51])
+    parser.add_argument("--reader", choices=["spark", "python"], default="spark",
+                        help="spark: query the masked <t01>_fresh view; python: lib.lake.fresh_read.rows (no Spark)")
     args = parser.parse_args(argv)
     before = bench_env.machine()
     results = [run(n, args, print) for n in args.tables]

@@ -5,7 +5,9 @@ would, a crash in the middle of a multi-batch backlog, a restart from the checkp
 from __future__ import annotations
 
 import io
+from datetime import datetime, timezone
 
+import deltalake
 import fastavro
 import psycopg2
 import pytest
@@ -15,7 +17,9 @@ from psycopg2 import sql
 
 from lib import config, control, schema_registry, topics
 from lib.capture import avro_schemas, catalog, pgtypes
-from lib.lake import browse, lake_paths, merge, micro_batch, reconcile, silver_step, silver_table
+from lib.lake import browse, fresh_read, lake_paths, merge, micro_batch, reconcile, silver_step, silver_table
+from lib.views import masking
+from lib.views import policy as masking_policy
 
 pytestmark = pytest.mark.stack
 
@@ -198,3 +202,76 @@ def test_a_silver_step_cut_short_is_completed_by_the_next_one_exactly(stream_con
     assert (again["tables"] != {}) == (cut == "before its commit"), again
     result = reconcile.reconcile(conf, spark, conn=source_conn)
     assert [(r["table"], r["equal"]) for r in result] == [("mstream.accounts", True)], result
+
+
+def _silver_live(conf: dict, with_updated: bool = False) -> list[dict]:
+    """Silver's live rows read with delta-rs (outside Spark), data columns only, by id."""
+    spec = lake_paths.table_spec(conf, "mstream.accounts")
+    rows = deltalake.DeltaTable(lake_paths.silver_path(conf, spec)).to_pyarrow_table().to_pylist()
+    keep = lambda c: c not in lake_paths.META_COLUMNS or (with_updated and c == "_updated_at")  # noqa: E731
+    return sorted(({c: v for c, v in r.items() if keep(c)} for r in rows if not r["_deleted"]), key=lambda r: r["id"])
+
+
+def test_the_fresh_reader_applies_the_kafka_events_silver_has_not_and_agrees_with_silver_after(
+        stream_conf, source_conn, spark_session):
+    """fresh_read reads silver and the topic after the offsets silver's commit records (no Spark, no bronze step):
+    changes sent to Kafka show at once, and equal silver once the merge has applied them."""
+    conf, spark = stream_conf, spark_session
+    table = catalog.describe_tables(source_conn, ["mstream.accounts"])["mstream.accounts"]
+    capture = Capture(conf, source_conn, table)
+    now = capture.rows()
+    for key in sorted(now)[:9]:  # events on every partition: silver's next commit records an offset for each
+        capture.send("u", key, 8500 + key, 0, now[key])
+    capture.flush()
+    merge.run_until_caught_up(conf, spark, cleanup=False)
+    stats: dict = {}
+    assert fresh_read.rows(conf, "mstream.accounts", masked=False, stats=stats) == _silver_live(conf)
+    assert stats["messages"] == 0 and len(stats["start"]) == 3, stats  # silver's record: nothing after it yet
+    with source_conn.cursor() as cur:
+        cur.execute("UPDATE mstream.accounts SET note = 'fresh ' || id, balance = balance + 0.5 WHERE id <= 4; "
+                    "DELETE FROM mstream.accounts WHERE id = 6; "
+                    "INSERT INTO mstream.accounts (id, owner, balance, ref) VALUES (46, 'fresh', 1.25, "
+                    "'00000000-0000-0000-0000-00000000002e')")
+    now = capture.rows()
+    for key in (1, 2, 3, 4):
+        capture.send("u", key, 9000 + key, 0, now[key])
+    capture.send("u", 2, 9000, 0, {**now[2], "note": "older"})  # older than key 2's update above: changes nothing
+    capture.send("d", 6, 9010, 0, None)
+    capture.send("c", 46, 9020, 0, now[46])
+    capture.flush()
+    fresh = fresh_read.rows(conf, "mstream.accounts", masked=False, stats=stats)
+    assert stats["messages"] == 8, stats  # 5 updates, the delete and its tombstone, the insert: only the tail
+    assert fresh != _silver_live(conf)  # silver has not applied them
+    assert [r["id"] for r in fresh] == sorted(now)
+    by_id = {r["id"]: r for r in fresh}
+    assert by_id[2]["note"] == "fresh 2" and by_id[46]["ref"] == "00000000-0000-0000-0000-00000000002e"
+    merge.run_until_caught_up(conf, spark, cleanup=False)
+    assert fresh == _silver_live(conf)  # the same rows, values and types as silver once the merge applied them
+    assert reconcile.reconcile(conf, spark, conn=source_conn)[0]["equal"]
+
+
+def test_the_fresh_reader_masks_as_the_clean_view_does(stream_conf, spark_session, monkeypatch):
+    conf, spark = stream_conf, spark_session
+    monkeypatch.setenv("CDC_TEST_FRESH_SALT", "pepper")
+    policy = {"default": "drop", "salt": {"env": "CDC_TEST_FRESH_SALT"}, "tables": {"mstream.accounts": {
+        "id": "keep", "owner": "partial", "balance": "hash", "opened": "partial", "updated": "partial",
+        "ref": "hash", "note": "redact", "local_ts": "null"}}}
+    spec = lake_paths.table_spec(conf, "mstream.accounts")
+    spark.read.format("delta").load(lake_paths.silver_path(conf, spec)).createOrReplaceTempView("fresh_mask_silver")
+    spark.createDataFrame([(masking_policy.derive_key("pepper"),)], "key string") \
+        .createOrReplaceTempView("fresh_mask_key")
+    try:
+        select, names = masking.clean_select("mstream.accounts", spark.table("fresh_mask_silver").schema,
+                                             masking.load_policy(conf, policy), "fresh_mask_silver", "fresh_mask_key")
+        in_spark = sorted((r.asDict() for r in spark.sql(select).collect()), key=lambda r: r["id"])
+    finally:
+        spark.catalog.dropTempView("fresh_mask_silver")
+        spark.catalog.dropTempView("fresh_mask_key")
+    in_python = fresh_read.mask(conf, "mstream.accounts", _silver_live(conf, with_updated=True), policy)
+    naive = lambda v: v.astimezone(timezone.utc).replace(tzinfo=None) if isinstance(v, datetime) and v.tzinfo else v  # noqa: E731
+    assert [{c: naive(v) for c, v in r.items()} for r in in_python] == in_spark
+    assert list(in_python[0]) == names and "tags" not in names
+    assert all(r["note"] in (None, masking_policy.REDACTED) for r in in_python)
+    with pytest.raises(masking_policy.MaskingError, match=r"mstream.accounts.tags: the fresh reader hashes"):
+        fresh_read.mask(conf, "mstream.accounts", _silver_live(conf), {**policy, "tables": {
+            "mstream.accounts": {"tags": "hash"}}})

@@ -34,6 +34,7 @@ class Progress:
     conf: dict
     schemas: writer_schemas.Schemas
     applied: dict[str, int] = field(default_factory=dict)
+    offsets: dict[str, dict[int, int]] = field(default_factory=dict)  # table -> {partition: last offset applied}
     truncates: dict[str, tuple] = field(default_factory=dict)
     ready: dict = field(default_factory=dict)  # silver path -> {row, filled}
     last_cleanup: float = field(default_factory=time.monotonic)
@@ -70,14 +71,21 @@ def _read_applied(spark: SparkSession, prog: Progress, specs: list, threads: int
         return
     paths = [lake_paths.silver_path(prog.conf, spec) for spec in missing]
     with ThreadPoolExecutor(max_workers=min(threads, len(missing)), thread_name_prefix="cdc-silver-applied") as pool:
-        for spec, seq in zip(missing, pool.map(lambda path: silver_table.applied_seq(spark, path), paths),
-                             strict=True):
-            prog.applied[spec.qualified] = seq
+        for spec, record in zip(missing, pool.map(lambda path: silver_table.last_applied(spark, path), paths),
+                                strict=True):
+            _remember(prog, spec, record)
+
+
+def _remember(prog: Progress, spec, record: dict) -> None:
+    prog.applied[spec.qualified] = int(record.get("bronze_seq", -1))
+    same_topic = record.get("topic") == spec.topic
+    prog.offsets[spec.qualified] = {int(p): int(o) for p, o in (record.get("offsets") or {}).items()} \
+        if same_topic else {}
 
 
 def _applied(spark: SparkSession, prog: Progress, spec) -> int:
     if spec.qualified not in prog.applied:
-        prog.applied[spec.qualified] = silver_table.applied_seq(spark, lake_paths.silver_path(prog.conf, spec))
+        _remember(prog, spec, silver_table.last_applied(spark, lake_paths.silver_path(prog.conf, spec)))
     return prog.applied[spec.qualified]
 
 
@@ -100,13 +108,11 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
               and state.touched.get(spec.qualified, -1) > _applied(spark, prog, spec)]
     if behind:
         cuts = micro_batch.truncates(conf)
-        # one read of the log for every table behind, and one job counting their events
+        # one read of the log for every table behind, and one job counting their events and their last offsets
         pending = bronze_log.pending_slice(spark, path, {s.qualified: prog.applied[s.qualified] for s in behind},
                                            state.seq).persist()
         try:
-            counted = {row["_table"]: row for row in pending.groupBy("_table").agg(
-                F.count(F.when((F.col("op") != bronze_log.TRUNCATE_OP) | F.col("op").isNull(), 1)).alias("n"),
-                F.count(F.when(F.size("unchanged_cols") > 0, 1)).alias("toast")).collect()}
+            counted = _counted(pending, {s.qualified: s.topic for s in behind})
             result["phases"]["slice"] = round(time.monotonic() - began - result["phases"]["state"], 2)
             for spec, done in _side_by_side(spark, prog, behind, lambda session, spec: _step_table(
                     session, prog, spec, state.seq, pending, counted.get(spec.qualified), cuts)):
@@ -121,6 +127,22 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
         log.info("silver step to bronze commit %s: %s", state.seq, result["tables"])
         prog.history = (prog.history + [{**result, "at": time.time()}])[-100:]
     return result
+
+
+def _counted(pending, topics: dict[str, str]) -> dict[str, dict]:
+    """Per table in the pending rows: its events (truncates left out), those with TOAST-unchanged columns, and the
+    last offset of each partition of its topic."""
+    event = (F.col("op") != bronze_log.TRUNCATE_OP) | F.col("op").isNull()
+    counted: dict[str, dict] = {}
+    for row in pending.groupBy("_table", "_kafka_topic", "_kafka_partition").agg(
+            F.count(F.when(event, 1)).alias("n"), F.count(F.when(F.size("unchanged_cols") > 0, 1)).alias("toast"),
+            F.max(F.when(event, F.col("_kafka_offset"))).alias("last")).collect():
+        table = counted.setdefault(row["_table"], {"n": 0, "toast": 0, "offsets": {}})
+        table["n"] += row["n"]
+        table["toast"] += row["toast"]
+        if row["_kafka_topic"] == topics.get(row["_table"]) and row["last"] is not None:
+            table["offsets"][int(row["_kafka_partition"])] = int(row["last"])
+    return counted
 
 
 def _sessions(spark: SparkSession, prog: Progress, count: int) -> list[SparkSession]:
@@ -170,12 +192,17 @@ def _step_table(spark: SparkSession, prog: Progress, spec, seq: int, pending, co
         and silver_table.truncate_pending(spark, silver, cut) else None
     layout = writer_schemas.table_layout(spark, prog.schemas, spec, set(), set())
     events = bronze_log.events(spark, path, spec.qualified, done, seq, layout.key, layout.row, log=pending)
+    # per partition, the log holds the topic's offsets in order: silver now holds every offset up to the last one
+    offsets = dict(prog.offsets.get(spec.qualified, {}))
+    for partition, last in (counted["offsets"] if counted else {}).items():
+        offsets[partition] = max(last, offsets.get(partition, -1))  # a dead-letter replay carries older offsets
     if n or pending_cut is not None:
         source = silver_table.merge_source(events, layout, cut[:2] if cut else None, toast=toast > 0)
-        silver_table.merge_silver(spark, silver, spec, layout, source, pending_cut, seq, prog.ready)
+        silver_table.merge_silver(spark, silver, spec, layout, source, pending_cut, seq, prog.ready, offsets)
     else:  # only a truncate silver had applied already: record the commit reached all the same
-        silver_table.record_applied(spark, silver, spec, seq)
+        silver_table.record_applied(spark, silver, spec, seq, offsets)
     prog.applied[spec.qualified] = seq
+    prog.offsets[spec.qualified] = offsets
     if cut is not None:
         prog.truncates[spec.qualified] = cut
     return {"events": n, "seconds": round(time.monotonic() - started, 2)}

@@ -233,13 +233,15 @@ def merge_statement(conf: dict, spark: SparkSession, table: str) -> str:
 
 
 def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout, source: DataFrame,
-                 truncate: tuple[int, int, object] | None, seq: int, ready: dict | None = None) -> None:
+                 truncate: tuple[int, int, object] | None, seq: int, ready: dict | None = None,
+                 offsets: dict[int, int] | None = None) -> None:
     """A table's MERGE of the bronze events up to log commit seq, recorded in the MERGE's own commit.
 
     The commit's userMetadata {"bronze_seq": seq} is what silver has applied (applied_seq reads it back), so
     a step repeated after a crash reads the same events again and changes nothing (every clause requires a
     newer position or a live row). ``ready`` (the caller's per-table cache) skips the existence, schema and
-    emptiness checks once they are known.
+    emptiness checks once they are known. ``offsets`` ({partition: the last Kafka offset of the table's topic
+    silver holds}) goes into the same record: the fresh reader (lib/lake/fresh_read.py) reads the topic after it.
     """
     keys = [f.name for f in layout.key.fields]
     key_lower = {k.lower() for k in keys}
@@ -258,7 +260,7 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
     statement = merge_sql(f"delta.{quote(path)}", f"global_temp.{view}", keys, payload, known["filled"], truncate,
                           seq)
     source.createOrReplaceGlobalTempView(view)
-    spark.conf.set(USER_METADATA, json.dumps({"bronze_seq": int(seq), "table": spec.qualified}))
+    spark.conf.set(USER_METADATA, json.dumps(applied_record(spec, seq, offsets)))
     try:
         spark.sql(statement)
     finally:
@@ -266,11 +268,21 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
         spark.catalog.dropGlobalTempView(view)
 
 
-def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int) -> None:
+def applied_record(spec: TableSpec, seq: int, offsets: dict[int, int] | None = None) -> dict:
+    """What a silver commit says it applied: the bronze log commit reached and, when known, the last offset of
+    each of the table's topic partitions it holds."""
+    record = {"bronze_seq": int(seq), "table": spec.qualified}
+    if offsets is not None:
+        record.update(topic=spec.topic, offsets={str(p): int(o) for p, o in sorted(offsets.items())})
+    return record
+
+
+def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int,
+                   offsets: dict[int, int] | None = None) -> None:
     """Record that silver reached bronze log commit seq when it had nothing to change (a commit of its own)."""
     if not delta_io.is_table(spark, path):
         return
-    spark.conf.set(USER_METADATA, json.dumps({"bronze_seq": int(seq), "table": spec.qualified}))
+    spark.conf.set(USER_METADATA, json.dumps(applied_record(spec, seq, offsets)))
     try:
         spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('cdc.bronze_seq' = '{int(seq)}')")
     finally:
@@ -279,17 +291,28 @@ def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int) ->
 
 def applied_seq(spark: SparkSession, path: str) -> int:
     """The bronze log commit silver was brought up to, from its newest MERGE's userMetadata (-1: none yet)."""
+    return int(last_applied(spark, path).get("bronze_seq", -1))
+
+
+def last_applied(spark: SparkSession, path: str) -> dict:
+    """The record (applied_record) of silver's newest commit that has one; {} when none has."""
     if not delta_io.is_table(spark, path):
-        return -1
+        return {}
     for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select(
             "userMetadata").collect():
-        try:
-            meta = json.loads(row["userMetadata"] or "{}")
-        except ValueError:
-            continue
-        if isinstance(meta, dict) and "bronze_seq" in meta:
-            return int(meta["bronze_seq"])
-    return -1
+        record = parse_record(row["userMetadata"])
+        if record:
+            return record
+    return {}
+
+
+def parse_record(text: str | None) -> dict:
+    """A commit's userMetadata as a silver record ({} when it is none)."""
+    try:
+        meta = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) and "bronze_seq" in meta else {}
 
 
 def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:
