@@ -57,3 +57,10 @@ def test_no_function_or_class_definitions_and_short_cells(path):
 def test_committed_without_outputs(path):
     for cell in code_cells(json.loads(path.read_text())):
         assert not cell.get("outputs") and cell.get("execution_count") is None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_cell_has_an_id_of_its_own(path):
+    """nbformat 4.5 cells carry ids; papermill and nbval warn on a missing one (a future nbformat refuses it)."""
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert all(ids) and len(set(ids)) == len(ids), ids
