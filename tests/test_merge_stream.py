@@ -245,6 +245,8 @@ def test_the_fresh_reader_applies_the_kafka_events_silver_has_not_and_agrees_wit
     assert [r["id"] for r in fresh] == sorted(now)
     by_id = {r["id"]: r for r in fresh}
     assert by_id[2]["note"] == "fresh 2" and by_id[46]["ref"] == "00000000-0000-0000-0000-00000000002e"
+    looked_up = fresh_read.rows(conf, "mstream.accounts", masked=False, keys=[{"id": 46}, {"id": 6}, {"id": 2}])
+    assert looked_up == [by_id[2], by_id[46]]  # 6 was deleted
     merge.run_until_caught_up(conf, spark, cleanup=False)
     assert fresh == _silver_live(conf)  # the same rows, values and types as silver once the merge applied them
     assert reconcile.reconcile(conf, spark, conn=source_conn)[0]["equal"]

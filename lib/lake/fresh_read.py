@@ -37,11 +37,12 @@ from lib.views import policy as masking_policy
 HISTORY_COMMITS = 100  # silver commits searched for the newest record
 
 
-def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None, timeout_s: float = 30.0,
-         stats: dict | None = None) -> list[dict]:
+def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None, keys: list[dict] | None = None,
+         timeout_s: float = 30.0, stats: dict | None = None) -> list[dict]:
     """The table now: one dict per live key (silver's columns, in key order), masked by the policy unless masked=False.
 
-    ``stats``, when given, receives what was read: silver rows, Kafka messages, the offsets started from.
+    ``keys`` (dicts of the key columns): only those rows, read from silver with a filter (a lookup in a large
+    table). ``stats``, when given, receives what was read: silver rows, Kafka messages, the offsets started from.
     """
     spec = lake_paths.table_spec(conf, table)
     path = config.location(lake_paths.silver_path(conf, spec))
@@ -50,7 +51,7 @@ def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None
     except Exception as exc:  # noqa: BLE001 - delta-rs raises its own errors for a missing table
         raise MergeError(f"fresh read of {spec.qualified}: no silver table at {path} ({type(exc).__name__}); run the "
                          f"merge first (notebook 04, or `make run`)") from exc
-    keys = (silver.metadata().configuration.get(silver_table.KEY_PROPERTY) or "").split(",")
+    keys_wanted, keys = keys, (silver.metadata().configuration.get(silver_table.KEY_PROPERTY) or "").split(",")
     columns = [f.name for f in silver.schema().fields]
     if not keys[0] or any(k not in columns for k in keys):
         raise MergeError(f"fresh read of {spec.qualified}: silver at {path} does not name its key columns in the "
@@ -58,9 +59,13 @@ def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None
     record = _record(silver)
     start = {int(p): int(o) + 1 for p, o in (record.get("offsets") or {}).items()} \
         if record.get("topic") == spec.topic else {}
-    state = {tuple(r[k] for k in keys): r for r in silver.to_pyarrow_table().to_pylist()}
+    wanted = None if keys_wanted is None else {tuple(_plain(k.get(c)) for c in keys) for k in keys_wanted}
+    filters = None if wanted is None else [[(c, "=", v) for c, v in zip(keys, ident, strict=True)] for ident in wanted]
+    if filters == []:
+        return []
+    state = {tuple(r[k] for k in keys): r for r in silver.to_pyarrow_table(filters=filters).to_pylist()}
     messages = _tail(conf, spec, start, timeout_s)
-    rule = Rule(keys, [c for c in columns if c not in keys and c not in META_COLUMNS])
+    rule = Rule(keys, [c for c in columns if c not in keys and c not in META_COLUMNS], wanted)
     for key, value, headers in messages:
         rule.apply(state, key, value, headers)
     cut = micro_batch.truncates(conf).get(spec.qualified)
@@ -152,13 +157,17 @@ def _refuse_debezium(spec, registry, writer: int) -> None:
 class Rule:
     """The silver MERGE's rule (silver_table.merge_rule) applied one message at a time to rows in memory."""
 
-    def __init__(self, keys: list[str], payload: list[str]):
-        self.keys, self.payload, self.added = keys, payload, 0
+    def __init__(self, keys: list[str], payload: list[str], wanted: set[tuple] | None = None):
+        self.keys, self.payload, self.wanted, self.added = keys, payload, wanted, 0
 
     def apply(self, state: dict, key: dict | None, value: dict | None, headers) -> None:
         if key is None:
             return  # the merge sets a message without a key aside as a dead letter
         ident = tuple(_plain(key.get(k)) for k in self.keys)
+        before = (value or {}).get("before")
+        old = tuple(_plain(before.get(k)) for k in self.keys) if before else None
+        if self.wanted is not None and ident not in self.wanted and old not in self.wanted:
+            return
         if value is None:  # a tombstone: the delete it follows (our capture's header), else a live row's end
             place = events.tombstone_position(headers)
             if place is not None:
@@ -169,12 +178,12 @@ class Rule:
         source = value.get("source") or {}
         place = (int(source["commit_lsn"]), int(source["event_serial"]))
         op = value.get("op")
-        before = value.get("before")
-        if op == "u" and before and all(before.get(k) is not None for k in self.keys) \
-                and any(before.get(k) != key.get(k) for k in self.keys):
-            self._delete(state, tuple(_plain(before.get(k)) for k in self.keys), place, None)  # a key change
+        if op == "u" and old is not None and None not in old and old != ident:
+            self._delete(state, old, place, None)  # a key change: the old key is deleted at the update's position
         if op == "d":
             self._delete(state, ident, place, value.get("ts_ms"))
+            return
+        if self.wanted is not None and ident not in self.wanted:
             return
         row = state.get(ident)
         if not _newer(place, op, row):
@@ -190,6 +199,8 @@ class Rule:
                         "_updated_at": _when(source.get("ts_ms"))}
 
     def _delete(self, state: dict, ident: tuple, place: tuple[int, int], ts_ms) -> None:
+        if self.wanted is not None and ident not in self.wanted:
+            return
         row = state.get(ident)
         if not _newer(place, "d", row):
             return
