@@ -13,7 +13,7 @@ PG_MAJORS_TEST := 13,18
 PG_MAJORS_ALL := 13,14,15,16,17,18
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test check compat lint jupyter clean run stop teardown faults bench
+.PHONY: install system fetch up down status logs sample demo test coverage check compat lint jupyter clean run stop teardown faults bench
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
@@ -96,6 +96,19 @@ test: sample lint  ## the whole suite against the running stack (notebooks under
 	status=0
 	$(PY) -m pytest -n 3 -m "not serial" --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
 	$(PY) -m pytest -m serial --durations=10 tests || status=$$?
+	exit $$status
+
+coverage: sample lint  ## line coverage of lib/ over make test's suite, child processes included (slower; not CI)
+	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
+	export CDC_PG_MAJORS=$(PG_MAJORS_TEST)
+	rm -rf .stack/coverage && mkdir -p .stack/coverage
+	status=0
+	$(PY) -m coverage run -m pytest -n 3 -m "not serial" -q tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
+	$(PY) -m coverage run -m pytest -m serial -q tests || status=$$?
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report --format=total > .stack/coverage/total.txt
+	$(PY) -m coverage report | tail -3
+	echo "line coverage of lib/: $$(cat .stack/coverage/total.txt) %"
 	exit $$status
 
 check: $(STAMP) lint  ## the fast loop: ruff and every test that needs no running service (no stack, under 2 minutes)
