@@ -207,15 +207,15 @@ def stages(conf: dict, topic: str, committed: dict, arrived: dict, seen_fresh: d
         if isinstance(meta, dict) and "seq" in meta:
             at_seq[int(meta["seq"])] = commit["timestamp"] / 1000
     rows = table.to_pyarrow_table(columns=["_kafka_topic", "_kafka_partition", "_kafka_offset", "_seq", "key"])
-    logged = {}
+    logged, key_of = {}, {}
     for r in rows.to_pylist():
-        if r["_kafka_topic"] == topic and r["_seq"] in at_seq:
-            logged[(r["_kafka_partition"], r["_kafka_offset"])] = at_seq[r["_seq"]]
-    key_of = {}
-    for r in rows.to_pylist():  # the row's id, from the VARIANT key (value and metadata bytes)
-        if r["_kafka_topic"] == topic and r["key"] is not None:
-            key_of[(r["_kafka_partition"], r["_kafka_offset"])] = VariantVal(r["key"]["value"],
-                                                                             r["key"]["metadata"]).toPython()["id"]
+        if r["_kafka_topic"] != topic:
+            continue
+        place = (r["_kafka_partition"], r["_kafka_offset"])
+        if r["_seq"] in at_seq:
+            logged[place] = at_seq[r["_seq"]]
+        if r["key"] is not None:  # the row's id, from the VARIANT key (value and metadata bytes)
+            key_of[place] = VariantVal(r["key"]["value"], r["key"]["metadata"]).toPython()["id"]
     legs: dict[str, list[float]] = {"commit -> Kafka": [], "Kafka -> bronze commit": [], "bronze commit -> query": [],
                                     "Kafka -> query": []}
     for place, row in key_of.items():

@@ -34,8 +34,6 @@ from lib.lake import debezium, lake_paths, micro_batch, silver_table
 from lib.lake.lake_paths import META_COLUMNS, MergeError
 from lib.views import policy as masking_policy
 
-HISTORY_COMMITS = 100  # silver commits searched for the newest record
-
 
 def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None, keys: list[dict] | None = None,
          timeout_s: float = 30.0, stats: dict | None = None) -> list[dict]:
@@ -51,26 +49,27 @@ def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None
     except Exception as exc:  # noqa: BLE001 - delta-rs raises its own errors for a missing table
         raise MergeError(f"fresh read of {spec.qualified}: no silver table at {path} ({type(exc).__name__}); run the "
                          f"merge first (notebook 04, or `make run`)") from exc
-    keys_wanted, keys = keys, (silver.metadata().configuration.get(silver_table.KEY_PROPERTY) or "").split(",")
+    key_columns = (silver.metadata().configuration.get(silver_table.KEY_PROPERTY) or "").split(",")
     columns = [f.name for f in silver.schema().fields]
-    if not keys[0] or any(k not in columns for k in keys):
+    if not key_columns[0] or any(k not in columns for k in key_columns):
         raise MergeError(f"fresh read of {spec.qualified}: silver at {path} does not name its key columns in the "
                          f"table property {silver_table.KEY_PROPERTY}; a silver step of this version writes it")
-    record = _record(silver)
+    record = silver_table.newest_record(c.get("userMetadata") for c in silver.history(silver_table.HISTORY_COMMITS))
     start = {int(p): int(o) + 1 for p, o in (record.get("offsets") or {}).items()} \
         if record.get("topic") == spec.topic else {}
-    wanted = None if keys_wanted is None else {tuple(_plain(k.get(c)) for c in keys) for k in keys_wanted}
-    filters = None if wanted is None else [[(c, "=", v) for c, v in zip(keys, ident, strict=True)] for ident in wanted]
+    wanted = None if keys is None else {tuple(_plain(k.get(c)) for c in key_columns) for k in keys}
+    filters = None if wanted is None else [[(c, "=", v) for c, v in zip(key_columns, ident, strict=True)]
+                                           for ident in wanted]
     if filters == []:
         return []
-    state = {tuple(r[k] for k in keys): r for r in silver.to_pyarrow_table(filters=filters).to_pylist()}
+    state = {tuple(r[k] for k in key_columns): r for r in silver.to_pyarrow_table(filters=filters).to_pylist()}
     messages = _tail(conf, spec, start, timeout_s)
-    rule = Rule(keys, [c for c in columns if c not in keys and c not in META_COLUMNS], wanted)
+    rule = Rule(key_columns, [c for c in columns if c not in key_columns and c not in META_COLUMNS], wanted)
     for key, value, headers in messages:
         rule.apply(state, key, value, headers)
     cut = micro_batch.truncates(conf).get(spec.qualified)
     live = [r for r in state.values() if not r.get("_deleted") and (cut is None or not _older(r, cut))]
-    live.sort(key=lambda r: tuple((r[k] is None, r[k]) for k in keys))
+    live.sort(key=lambda r: tuple((r[k] is None, r[k]) for k in key_columns))
     if stats is not None:
         stats.update(silver_rows=len(state) - rule.added, messages=len(messages), start=start,
                      bronze_seq=record.get("bronze_seq"))
@@ -78,14 +77,6 @@ def rows(conf: dict, table: str, masked: bool = True, policy: dict | None = None
     if not masked:
         return [{c: r.get(c) for c in data} for r in live]
     return mask(conf, spec.qualified, [{c: r.get(c) for c in data + ["_updated_at"]} for r in live], policy)
-
-
-def _record(silver: deltalake.DeltaTable) -> dict:
-    for commit in silver.history(HISTORY_COMMITS):
-        record = silver_table.parse_record(commit.get("userMetadata"))
-        if record:
-            return record
-    return {}
 
 
 def _older(row: dict, cut: tuple) -> bool:

@@ -237,7 +237,7 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
                  offsets: dict[int, int] | None = None) -> None:
     """A table's MERGE of the bronze events up to log commit seq, recorded in the MERGE's own commit.
 
-    The commit's userMetadata {"bronze_seq": seq} is what silver has applied (applied_seq reads it back), so
+    The commit's userMetadata {"bronze_seq": seq} is what silver has applied (last_applied reads it back), so
     a step repeated after a crash reads the same events again and changes nothing (every clause requires a
     newer position or a live row). ``ready`` (the caller's per-table cache) skips the existence, schema and
     emptiness checks once they are known. ``offsets`` ({partition: the last Kafka offset of the table's topic
@@ -289,30 +289,24 @@ def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int,
         spark.conf.unset(USER_METADATA)
 
 
-def applied_seq(spark: SparkSession, path: str) -> int:
-    """The bronze log commit silver was brought up to, from its newest MERGE's userMetadata (-1: none yet)."""
-    return int(last_applied(spark, path).get("bronze_seq", -1))
-
-
 def last_applied(spark: SparkSession, path: str) -> dict:
     """The record (applied_record) of silver's newest commit that has one; {} when none has."""
     if not delta_io.is_table(spark, path):
         return {}
-    for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select(
-            "userMetadata").collect():
-        record = parse_record(row["userMetadata"])
-        if record:
-            return record
+    return newest_record(row["userMetadata"] for row in spark.sql(
+        f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select("userMetadata").collect())
+
+
+def newest_record(texts) -> dict:
+    """The first silver record among commits' userMetadata texts, newest first ({} when none is one)."""
+    for text in texts:
+        try:
+            meta = json.loads(text or "{}")
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and "bronze_seq" in meta:
+            return meta
     return {}
-
-
-def parse_record(text: str | None) -> dict:
-    """A commit's userMetadata as a silver record ({} when it is none)."""
-    try:
-        meta = json.loads(text or "{}")
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) and "bronze_seq" in meta else {}
 
 
 def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:
