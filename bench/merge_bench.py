@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         append_s = time.monotonic() - began
         began = time.monotonic()
         source = silver_table.merge_source(decoded, layout, None, toast=False)
-        silver_table.merge_silver(spark, silver, spec, layout, source, None, ready)
+        silver_table.merge_silver(spark, silver, spec, layout, source, None, batch, ready)
         merge_s = time.monotonic() - began
         began = time.monotonic()
         latest = plain.dropDuplicates(["id"])

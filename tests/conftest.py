@@ -22,13 +22,17 @@ from lib.operate import teardown
 
 # Spark drivers the tests start (this process's, the notebooks' kernels, the services) compile with C1 only:
 # a test's driver lives minutes, so the optimizing compiler's CPU never pays back; C1 alone keeps a 48 MB code
-# cache, which a driver fills in about 40 s (then its compiler is off), hence the 240 MB (docs/testing.md)
-os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m")
+# cache, which a driver fills in about 40 s (then its compiler is off), hence the 240 MB; the serial collector
+# costs a small test heap less CPU than G1 (docs/testing.md)
+os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS",
+                      "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:+UseSerialGC")
 
 
-# make test's workers start with the longest modules, so none waits alone for one at the end
-FIRST = ["notebooks", "test_own_database", "test_faults", "test_pg_versions", "test_incremental", "test_service",
-         "test_debezium_interop", "test_views_persist"]
+# the longest modules first in the collection (worker seconds in docs/testing.md); xdist then hands out the modules
+# with the most tests first, so this orders those of equal count (pytest_xdist_make_scheduler below)
+FIRST = ["notebooks", "test_merge_unit", "test_own_database", "test_faults", "test_pg_versions", "test_service",
+         "test_merge_stream", "test_snapshot", "test_masking", "test_views_persist", "test_stream", "test_incremental",
+         "test_debezium_interop", "test_secure_pipeline", "test_key_changes"]
 
 
 def _scope(path) -> str:
@@ -94,7 +98,9 @@ def pytest_configure(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist (make test: -n 2) keeps each module, and the notebooks together, on one worker."""
+    """pytest-xdist (make test: -n 3) keeps each module, and the notebooks together, on one worker. xdist hands out
+    the modules with the most tests first (FIRST orders those of equal count): tried at 14:07, handing out the
+    longest first ran the service-heavy modules side by side and took a minute longer (docs/testing.md)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):

@@ -124,11 +124,8 @@ def truncate_rows(spark: SparkSession, cuts: dict[str, tuple], batch_id: int) ->
 def state(spark: SparkSession, path: str) -> State:
     """The log's state from its newest commits (a log without commits: seq -1)."""
     found = State()
-    if not delta_io.is_table(spark, path):
-        return found
-    for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select(
-            "userMetadata").collect():
-        meta = _metadata(row["userMetadata"])
+    for text in delta_io.commit_metadata(spark, path, HISTORY_COMMITS):
+        meta = _metadata(text)
         if meta is None:
             continue
         if found.seq < 0:

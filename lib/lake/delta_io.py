@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections.abc import Iterator
+
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
 from lib.lake.lake_paths import quote
+
+COMMIT_FILE = re.compile(r"\d{20}\.json")  # a commit in _delta_log (not a checkpoint, .crc or compacted range)
 
 
 def ensure_table(spark: SparkSession, path: str, schema: T.StructType, stats_columns: list[str] | None = None,
@@ -51,9 +58,12 @@ def has_files(spark: SparkSession, path: str) -> bool:
 
 
 def is_table(spark: SparkSession, path: str) -> bool:
-    """True when a Delta table exists at path (asked through SQL, which Spark Connect runs too)."""
+    """True when a Delta table exists at path: a commit in its _delta_log folder here, else asked through SQL
+    (the session's filesystem may not be this process's: Spark Connect, a cluster)."""
     from pyspark.errors import AnalysisException
 
+    if _newest_version(_local_log(path)) >= 0:
+        return True
     try:
         spark.sql(f"DESCRIBE DETAIL delta.{quote(path)}").select("format").collect()
         return True
@@ -80,39 +90,61 @@ def allow_widening(spark: SparkSession, path: str) -> None:
     spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ('delta.enableTypeWidening' = 'true')")
 
 
-def newest_metadata(spark: SparkSession | None, path: str, key: str, limit: int = 100) -> dict | None:
-    """The newest commit's userMetadata (JSON) that has key, or None; a local table is read from its _delta_log
-    files (no Spark needed: make status, the monitor), a remote one through DESCRIBE HISTORY."""
-    import json
-    import os
+def commit_metadata(spark: SparkSession | None, path: str, limit: int = 100) -> Iterator[str | None]:
+    """The userMetadata of the table's newest commits, newest first (nothing when no table is there).
 
-    def parse(text):
+    A table whose _delta_log this process sees is read from its commit files (no Spark job: the merge asks on every
+    micro-batch and silver step, make status without a session); any other through DESCRIBE HISTORY, which Spark
+    Connect runs (a path this process does not see may still be a table on the session's filesystem).
+    """
+    folder = _local_log(path)
+    newest = _newest_version(folder)
+    if newest >= 0:
+        for version in range(newest, max(newest - limit, -1), -1):
+            try:
+                with open(os.path.join(folder, f"{version:020d}.json")) as handle:
+                    lines = handle.readlines()
+            except FileNotFoundError:  # older commits removed by the log's cleanup
+                return
+            info = next((action["commitInfo"] for action in map(json.loads, lines) if "commitInfo" in action), None)
+            if info is not None:
+                yield info.get("userMetadata")
+        return
+    if spark is None or not is_table(spark, path):
+        return
+    for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {limit}").select("userMetadata").collect():
+        yield row["userMetadata"]
+
+
+def _local_log(path: str) -> str:
+    """The _delta_log folder of path on this machine's filesystem ('' for a URL such as s3:// or dbfs:/)."""
+    if "://" in path and not path.startswith("file:"):
+        return ""
+    return os.path.join(path.removeprefix("file://").removeprefix("file:"), "_delta_log")
+
+
+def _newest_version(folder: str) -> int:
+    """The newest commit in a local _delta_log (-1: none, or no such folder here): counted up from the last
+    checkpoint, so a log of many commits is not listed; listed when it has no checkpoint yet."""
+    if not folder or not os.path.isdir(folder):
+        return -1
+    try:
+        with open(os.path.join(folder, "_last_checkpoint")) as handle:
+            version = int(json.load(handle)["version"])
+    except (OSError, ValueError, KeyError):
+        return max((int(name[:20]) for name in os.listdir(folder) if COMMIT_FILE.fullmatch(name)), default=-1)
+    while os.path.exists(os.path.join(folder, f"{version + 1:020d}.json")):
+        version += 1
+    return version
+
+
+def newest_metadata(spark: SparkSession | None, path: str, key: str, limit: int = 100) -> dict | None:
+    """The newest commit's userMetadata (JSON) that has key, or None (commit_metadata)."""
+    for text in commit_metadata(spark, path, limit):
         try:
             meta = json.loads(text or "{}")
         except ValueError:
-            return None
-        return meta if isinstance(meta, dict) and key in meta else None
-
-    folder = os.path.join(path, "_delta_log")
-    if "://" not in path or path.startswith("file:"):
-        folder = folder.removeprefix("file:")
-        if not os.path.isdir(folder):
-            return None
-        commits = sorted((name for name in os.listdir(folder) if name.endswith(".json") and name[:20].isdigit()),
-                         reverse=True)[:limit]
-        for name in commits:
-            with open(os.path.join(folder, name)) as handle:
-                for line in handle:
-                    info = json.loads(line).get("commitInfo")
-                    if info is not None:
-                        found = parse(info.get("userMetadata"))
-                        if found is not None:
-                            return found
-        return None
-    if spark is None or not is_table(spark, path):
-        return None
-    for row in spark.sql(f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {limit}").select("userMetadata").collect():
-        found = parse(row["userMetadata"])
-        if found is not None:
-            return found
+            continue
+        if isinstance(meta, dict) and key in meta:
+            return meta
     return None

@@ -307,12 +307,9 @@ def _append_once(spark: SparkSession, ctx: MergeContext, path: str, frame: DataF
 
 def _appended_batch(spark: SparkSession, path: str, marker: str) -> int | None:
     """The newest micro-batch id appended under marker, from the table's last commits (None: none there)."""
-    if not delta_io.is_table(spark, path):
-        return None
-    for row in spark.sql(f"DESCRIBE HISTORY delta.{lake_paths.quote(path)} LIMIT {APPEND_HISTORY_COMMITS}") \
-            .select("userMetadata").collect():
+    for text in delta_io.commit_metadata(spark, path, APPEND_HISTORY_COMMITS):
         try:
-            meta = json.loads(row["userMetadata"] or "{}")
+            meta = json.loads(text or "{}")
         except ValueError:
             continue
         if isinstance(meta, dict) and meta.get("merge_batch") == marker:

@@ -291,10 +291,7 @@ def record_applied(spark: SparkSession, path: str, spec: TableSpec, seq: int,
 
 def last_applied(spark: SparkSession, path: str) -> dict:
     """The record (applied_record) of silver's newest commit that has one; {} when none has."""
-    if not delta_io.is_table(spark, path):
-        return {}
-    return newest_record(row["userMetadata"] for row in spark.sql(
-        f"DESCRIBE HISTORY delta.{quote(path)} LIMIT {HISTORY_COMMITS}").select("userMetadata").collect())
+    return newest_record(delta_io.commit_metadata(spark, path, HISTORY_COMMITS))
 
 
 def newest_record(texts) -> dict:
