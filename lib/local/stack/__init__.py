@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from lib import config, secrets
-from lib.local.stack import fetch, kafka, pg_versions, postgres, process, registry, spark_cds, tls
+from lib.local.stack import fetch, kafka, pg_versions, postgres, process, registry, spark_cds, spark_cluster, tls
 from lib.local.stack.process import StackError
 
 __all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
@@ -141,6 +141,7 @@ def has_schema(conn, schema: str) -> bool:
 def down(conf: dict, log=print) -> None:
     """Stop every service, newest first; data and logs stay."""
     folder = stack_dir(conf)
+    spark_cluster.stop(conf, folder, log=log)
     registry.stop(folder, log=log)
     kafka.stop(folder, log=log)
     postgres.stop(conf, folder, log=log)
@@ -194,7 +195,8 @@ def status_of(conf: dict, name: str) -> dict:
 
 def status(conf: dict) -> list[dict]:
     """One row per service: state, pid, port, version, log file (version servers once started here)."""
-    return [status_of(conf, name) for name in SERVICES] + pg_versions.status(conf)
+    cluster = [row for row in spark_cluster.status(conf, stack_dir(conf)) if row["state"] != "stopped"]
+    return [status_of(conf, name) for name in SERVICES] + pg_versions.status(conf) + cluster
 
 
 def logs(conf: dict, service: str | None = None, lines: int = 40) -> str:

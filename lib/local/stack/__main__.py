@@ -1,4 +1,4 @@
-"""Command line for the local stack: python -m lib.local.stack {fetch,up,down,status,logs,versions}."""
+"""Command line for the local stack: python -m lib.local.stack {fetch,up,down,status,logs,versions,cluster}."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from lib import config
 from lib.local import stack
-from lib.local.stack import pg_versions
+from lib.local.stack import pg_versions, spark_cluster
 from lib.local.stack.process import StackError
 from lib.secrets import SecretError
 from lib.source import SourceError
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--customers", type=int, default=200)
     sample.add_argument("--seed", type=int, default=7)
     sample.add_argument("--reset", action="store_true", help="drop schema bank and load it again")
+    cluster = commands.add_parser("cluster", help="a Spark standalone master, its workers and a Connect server")
+    cluster.add_argument("action", choices=("up", "down", "status"))
     versions = commands.add_parser("versions", help="servers of other PostgreSQL majors (the version matrix)")
     versions.add_argument("action", choices=("up", "down", "status"))
     versions.add_argument("majors", nargs="?", help="e.g. 13,18 (default: every major in conf)")
@@ -47,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
             stack.down(conf)
         elif args.command == "clean":
             stack.clean(conf)
+        elif args.command == "cluster":
+            folder = stack.stack_dir(conf)
+            if args.action == "up":
+                spark_cluster.start(conf, folder)
+            elif args.action == "down":
+                spark_cluster.stop(conf, folder)
+            else:
+                for row in spark_cluster.status(conf, folder):
+                    print(f"{row['service']:15s} {row['state']:9s} {row['port']:>6}  {row['version']:11s} {row['log']}")
         elif args.command == "versions":
             if args.action == "up":
                 for major, server in pg_versions.up(conf, args.majors).items():

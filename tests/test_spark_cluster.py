@@ -1,0 +1,81 @@
+"""The local stack's Spark cluster (issue 29, point 1): a standalone master with two one-core workers and a Spark
+Connect server on it, started as local processes from pip's pyspark; over Connect, Delta through SQL runs on the
+cluster, and the executors' Python does not have the project unless a session ships it.
+
+Runs on ports and a stack folder of its own, so a cluster a user started is left alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lib import config
+from lib.local.stack import process, spark_cluster
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module")
+def cluster(live_stack, tmp_path_factory):
+    conf = config.apply_overrides(live_stack, {
+        "CDC__STACK__CLUSTER__MASTER_PORT": "27177", "CDC__STACK__CLUSTER__MASTER_WEBUI_PORT": "27180",
+        "CDC__STACK__CLUSTER__WORKER_WEBUI_PORT": "27181", "CDC__STACK__CLUSTER__CONNECT_PORT": "27102",
+        "CDC__SPARK__JARS_DIR": str(config.location(str(config.get(live_stack, "spark.jars_dir"))))})
+    folder = tmp_path_factory.mktemp("cluster_stack")
+    lines: list[str] = []
+    try:
+        spark_cluster.start(conf, folder, log=lines.append)
+        yield conf, folder, lines
+    finally:
+        spark_cluster.stop(conf, folder, log=lines.append)
+
+
+def test_the_cluster_starts_with_two_one_core_workers_and_a_connect_server(cluster):
+    conf, folder, lines = cluster
+    rows = {row["service"]: row for row in spark_cluster.status(conf, folder)}
+    assert [rows[name]["state"] for name in ("spark-master", "spark-worker-1", "spark-worker-2", "spark-connect")] \
+        == ["running"] * 4, rows
+    workers = [w for w in spark_cluster._master_state(conf)["workers"] if w["state"] == "ALIVE"]
+    assert len(workers) == 2 and all(w["cores"] == 1 for w in workers), workers
+    assert any(line.startswith("spark-connect started on port 27102") for line in lines), lines
+    spark_cluster.start(conf, folder, log=lines.append)  # again: everything already runs, nothing new
+    assert sum("already running" in line for line in lines) == 4, lines
+
+
+def test_over_connect_delta_runs_on_the_cluster_and_executors_do_not_have_the_project(cluster, tmp_path):
+    from pyspark.errors import PythonException
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    conf = cluster[0]
+    spark = SparkSession.builder.remote(spark_cluster.connect_url(conf)).getOrCreate()
+    try:
+        assert type(spark).__module__ == "pyspark.sql.connect.session"  # not a local session handed back
+        assert spark.conf.get("spark.master") == spark_cluster.master_url(conf)
+        path = f"delta.`{tmp_path / 't'}`"
+        spark.sql(f"CREATE TABLE {path} (id bigint, v string) USING delta")
+        spark.sql(f"INSERT INTO {path} VALUES (1, 'a'), (2, 'b')")
+        spark.createDataFrame([(2, "B"), (3, "c")], "id bigint, v string").createOrReplaceTempView("cluster_src")
+        spark.sql(f"MERGE INTO {path} t USING cluster_src s ON t.id = s.id "
+                  "WHEN MATCHED THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT *")
+        assert sorted(tuple(r) for r in spark.sql(f"SELECT * FROM {path}").collect()) == [(1, "a"), (2, "B"),
+                                                                                          (3, "c")]
+        assert [r["operation"] for r in spark.sql(f"DESCRIBE HISTORY {path}").collect()] == ["MERGE", "WRITE",
+                                                                                            "CREATE TABLE"]
+
+        def project_version(_):
+            import lib  # noqa: F401 - only importable where the project was shipped
+
+            return 1
+
+        with pytest.raises(PythonException, match="No module named 'lib'"):
+            spark.range(1).select(F.udf(project_version, "int")("id")).collect()
+    finally:
+        spark.stop()
+
+
+def test_down_stops_every_process_and_frees_the_ports(cluster):
+    conf, folder, lines = cluster
+    spark_cluster.stop(conf, folder, log=lines.append)
+    assert [row["state"] for row in spark_cluster.status(conf, folder)] == ["stopped"] * 4
+    assert not any(process.port_in_use("127.0.0.1", port) for port in (27177, 27180, 27102))
