@@ -12,7 +12,9 @@ import pytest
 from lib import config
 from lib.local.stack import process, spark_cluster
 
-pytestmark = pytest.mark.stack
+# serial: make test runs these in a pytest process of their own, after the others, because a remote session
+# cannot start where a local one runs (the workers' shared session: SESSION_ALREADY_EXIST)
+pytestmark = [pytest.mark.stack, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")
