@@ -37,7 +37,7 @@ def test_the_cluster_starts_with_two_one_core_workers_and_a_connect_server(clust
     rows = {row["service"]: row for row in spark_cluster.status(conf, folder)}
     assert [rows[name]["state"] for name in ("spark-master", "spark-worker-1", "spark-worker-2", "spark-connect")] \
         == ["running"] * 4, rows
-    workers = [w for w in spark_cluster._master_state(conf)["workers"] if w["state"] == "ALIVE"]
+    workers = [w for w in spark_cluster.master_state(conf)["workers"] if w["state"] == "ALIVE"]
     assert len(workers) == 2 and all(w["cores"] == 1 for w in workers), workers
     assert any(line.startswith("spark-connect started on port 27102") for line in lines), lines
     spark_cluster.start(conf, folder, log=lines.append)  # again: everything already runs, nothing new

@@ -140,7 +140,12 @@ def _newest_version(folder: str) -> int:
 
 def newest_metadata(spark: SparkSession | None, path: str, key: str, limit: int = 100) -> dict | None:
     """The newest commit's userMetadata (JSON) that has key, or None (commit_metadata)."""
-    for text in commit_metadata(spark, path, limit):
+    return first_with(commit_metadata(spark, path, limit), key)
+
+
+def first_with(texts, key: str) -> dict | None:
+    """The first of these userMetadata texts (newest first) that is a JSON object with key, or None."""
+    for text in texts:
         try:
             meta = json.loads(text or "{}")
         except ValueError:

@@ -296,14 +296,7 @@ def last_applied(spark: SparkSession, path: str) -> dict:
 
 def newest_record(texts) -> dict:
     """The first silver record among commits' userMetadata texts, newest first ({} when none is one)."""
-    for text in texts:
-        try:
-            meta = json.loads(text or "{}")
-        except ValueError:
-            continue
-        if isinstance(meta, dict) and "bronze_seq" in meta:
-            return meta
-    return {}
+    return delta_io.first_with(texts, "bronze_seq") or {}
 
 
 def rebuild_moved(conf: dict, spark: SparkSession) -> list[str]:

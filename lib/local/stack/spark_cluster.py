@@ -7,7 +7,7 @@ the Connect server); `cluster down` stops them, `status` shows them. Conf ``stac
 worker's; the next ones count up), ``connect_port``, ``daemon_memory``.
 
 The workers' executors and the Connect server's Python workers (UDFs, ``foreachBatch``) run an interpreter of
-their own, ``<dir>/cluster/python``: this Python and the project's pinned packages, but not the project itself (the
+their own, ``<dir>/cluster/python-env``: this Python and the project's pinned packages, but not the project itself (the
 editable install in .venv is not on its path). Code of lib/ reaches them only as the session ships it, as on a
 cluster of other hosts, so an assumption that only holds on one machine fails here first.
 
@@ -80,7 +80,8 @@ def _environment(conf: dict, stack_dir: Path) -> dict[str, str]:
             "PYSPARK_PYTHON": interpreter, "PYSPARK_DRIVER_PYTHON": interpreter, "SPARK_CONNECT_MODE": "0"}
 
 
-def _master_state(conf: dict) -> dict:
+def master_state(conf: dict) -> dict:
+    """The master's own report (its web UI's /json/): status, workers with their state and cores."""
     port = int(config.get(conf, "stack.cluster.master_webui_port"))
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/", timeout=2) as response:
         return json.load(response)
@@ -88,7 +89,7 @@ def _master_state(conf: dict) -> dict:
 
 def alive_workers(conf: dict) -> int:
     """How many workers the master counts alive."""
-    return sum(1 for w in _master_state(conf).get("workers", []) if w.get("state") == "ALIVE")
+    return sum(1 for w in master_state(conf).get("workers", []) if w.get("state") == "ALIVE")
 
 
 def start(conf: dict, stack_dir: Path, log=print) -> None:
@@ -105,7 +106,7 @@ def start(conf: dict, stack_dir: Path, log=print) -> None:
         pid = process.start([str(home / "bin" / "spark-class"), MASTER_CLASS, "--host", "127.0.0.1", "--port",
                              str(port), "--webui-port", str(webui)], where["log"], where["pid"], env=env,
                             cwd=where["dir"])
-        process.wait_ready("spark-master", lambda: _master_state(conf).get("status") == "ALIVE", timeout,
+        process.wait_ready("spark-master", lambda: master_state(conf).get("status") == "ALIVE", timeout,
                            where["log"], pid, where["pid"])
         log(f"spark-master started on port {port} (pid {pid})")
     workers = int(config.get(conf, "stack.cluster.workers"))
@@ -169,14 +170,14 @@ def stop(conf: dict, stack_dir: Path, log=print) -> None:
 def status(conf: dict, stack_dir: Path) -> list[dict]:
     """One row per cluster process, for `stack status`."""
     rows = []
-    names = [("master", MASTER_CLASS, "stack.cluster.master_port")] + [
-        (f"worker-{n}", WORKER_CLASS, "stack.cluster.worker_webui_port")
+    first_webui = int(config.get(conf, "stack.cluster.worker_webui_port"))
+    names = [("master", MASTER_CLASS, int(config.get(conf, "stack.cluster.master_port")))] + [
+        (f"worker-{n}", WORKER_CLASS, first_webui + n - 1)
         for n in range(1, int(config.get(conf, "stack.cluster.workers")) + 1)] + [
-        ("connect", CONNECT_CLASS, "stack.cluster.connect_port")]
-    for n, (name, marker, setting) in enumerate(names):
+        ("connect", CONNECT_CLASS, int(config.get(conf, "stack.cluster.connect_port")))]
+    for name, marker, port in names:
         where = files(stack_dir, name)
         pid, state = process.recorded_state(f"spark-{name}", where["pid"], marker)
-        port = int(config.get(conf, setting)) + (n - 1 if name.startswith("worker") else 0)
         rows.append({"service": f"spark-{name}", "state": state, "pid": pid, "port": port,
                      "version": f"spark {pyspark.__version__}", "log": where["log"]})
     return rows
