@@ -13,7 +13,7 @@ PG_MAJORS_TEST := 13,18
 PG_MAJORS_ALL := 13,14,15,16,17,18
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test coverage check compat lint jupyter clean run stop teardown faults bench
+.PHONY: install system fetch up down status logs sample demo test test-cluster coverage check compat lint jupyter clean run stop teardown faults bench
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
@@ -89,22 +89,26 @@ demo: sample  ## the main job on the local stack: notebooks in order, executed c
 lint: $(STAMP)
 	$(PY) -m ruff check $(wildcard lib tests bench notebooks)
 
-test: sample lint  ## the whole suite against the running stack (notebooks under nbval; PostgreSQL 13 and 18 beside it)
+test: sample lint  ## the suite against the running stack (notebooks under nbval; PostgreSQL 13 and 18 beside it); the cluster: test-cluster
 	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
 	export CDC_PG_MAJORS=$(PG_MAJORS_TEST)
 	# three workers, a module (the notebooks: all five, in order) on one; then the tests that need the stack alone
 	status=0
-	$(PY) -m pytest -n 3 -m "not serial" --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
-	$(PY) -m pytest -m serial --durations=10 tests || status=$$?
+	$(PY) -m pytest -n 3 -m "not serial and not cluster" --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
+	$(PY) -m pytest -m "serial and not cluster" --durations=10 tests || status=$$?
 	exit $$status
 
-coverage: sample lint  ## line coverage of lib/ over make test's suite, child processes included (slower; not CI)
+test-cluster: sample  ## the tests on the local Spark cluster and through Spark Connect (CI runs them after make test)
+	$(PY) -m pytest -m cluster --durations=10 tests
+
+coverage: sample lint  ## line coverage of lib/ over make test's and make test-cluster's suites, child processes included (slower; not CI)
 	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
 	export CDC_PG_MAJORS=$(PG_MAJORS_TEST)
 	rm -rf .stack/coverage && mkdir -p .stack/coverage
 	status=0
-	$(PY) -m coverage run -m pytest -n 3 -m "not serial" -q tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
-	$(PY) -m coverage run -m pytest -m serial -q tests || status=$$?
+	$(PY) -m coverage run -m pytest -n 3 -m "not serial and not cluster" -q tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
+	$(PY) -m coverage run -m pytest -m "serial and not cluster" -q tests || status=$$?
+	$(PY) -m coverage run -m pytest -m cluster -q tests || status=$$?
 	$(PY) -m coverage combine -q
 	$(PY) -m coverage report --format=total > .stack/coverage/total.txt
 	$(PY) -m coverage report | tail -3

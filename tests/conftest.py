@@ -23,9 +23,12 @@ from lib.operate import teardown
 # Spark drivers the tests start (this process's, the notebooks' kernels, the services) compile with C1 only:
 # a test's driver lives minutes, so the optimizing compiler's CPU never pays back; C1 alone keeps a 48 MB code
 # cache, which a driver fills in about 40 s (then its compiler is off), hence the 240 MB; the serial collector
-# costs a small test heap less CPU than G1 (docs/testing.md)
+# costs a small test heap less CPU than G1; their projections and predicates run interpreted, as Spark does when
+# code generation fails: a test's tasks hold a few rows, and generating each task's projection code cost more than
+# running it (test_merge_unit alone 14 % faster; whole-stage code generation stays on; docs/testing.md)
 os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS",
-                      "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:+UseSerialGC")
+                      "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:+UseSerialGC"
+                      " -Dspark.sql.codegen.factoryMode=NO_CODEGEN")
 
 
 # the longest modules first in the collection (worker seconds in docs/testing.md); xdist then hands out the modules

@@ -12,9 +12,9 @@ import pytest
 from lib import config
 from lib.local.stack import process, spark_cluster
 
-# serial: make test runs these in a pytest process of their own, after the others, because a remote session
-# cannot start where a local one runs (the workers' shared session: SESSION_ALREADY_EXIST)
-pytestmark = [pytest.mark.stack, pytest.mark.serial]
+# cluster: make test-cluster runs these in a pytest process of their own, because a remote session cannot start
+# where a local one runs (make test's workers hold a shared local session: SESSION_ALREADY_EXIST)
+pytestmark = [pytest.mark.stack, pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")

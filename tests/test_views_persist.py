@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,10 @@ def drivers(conf, tmp_path_factory):
     test_conf = spark.with_metastore(conf, str(folder / "metastore"))
     test_conf["lake"] = {"root": str(folder / "lake")}
     test_conf["spark"]["settings"]["spark.sql.shuffle.partitions"] = "1"
+    # these drivers stand for a user's: Spark's own code generation (the tests' interpreted projections fail
+    # catalog.listTables in Spark 4.1 with EXPRESSION_DECODING_FAILED for its Table rows; tests/conftest.py)
+    options = test_conf["spark"].get("driver_java_options") or ""
+    test_conf["spark"]["driver_java_options"] = re.sub(r"\s*-Dspark\.sql\.codegen\.factoryMode=\S+", "", options)
     policy = {"database": "persist_views", "key_table": "persist_private.masking_key", "default": "drop",
               "salt": {"env": SALT_ENV}, "tables": {TABLE: {"customer_id": "keep", "email": "partial", "city": "hash"}}}
     redact = json.loads(json.dumps(policy))
