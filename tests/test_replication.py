@@ -74,7 +74,7 @@ def _read_until(read, kinds: str, timeout_s: float = 30.0) -> list:
     raise AssertionError(f"no message of kind {kinds} within {timeout_s} s; saw {[s[0] for s in seen]}")
 
 
-def _scenario(conf: dict, schema: str, read, acknowledge, status) -> tuple[int, int]:
+def _scenario(conf: dict, schema: str, read, acknowledge, status, settle_s: float = 4.0) -> tuple[int, int]:
     """Run the interleaving; returns (position below T2b's commit, confirmed_flush_lsn after the keepalive)."""
     t1, t2, t3 = _session(conf), _session(conf), _session(conf)
     try:
@@ -92,10 +92,17 @@ def _scenario(conf: dict, schema: str, read, acknowledge, status) -> tuple[int, 
         assert stream_block[0][0] == "S", f"expected T1 streamed, saw {[s[0] for s in stream_block]}"
         # the walsender waits for WAL and sends its keepalive. Other tests write in the same scratch database
         # meanwhile, so a stream block of theirs may arrive too: read, never acknowledged, like T2b
-        deadline = time.monotonic() + 3.0
+        # A loaded machine's walsender may take seconds to send it: keep reading and reporting status until the
+        # slot moves past T2b or settle_s passes
+        deadline, next_status = time.monotonic() + settle_s, time.monotonic() + 1.0
         while time.monotonic() < deadline:
             if read() is None:
                 time.sleep(0.1)
+            if time.monotonic() >= next_status:
+                status()
+                next_status = time.monotonic() + 0.5
+                if confirmed_lsn(conf) > below_b:
+                    break
         status()
         time.sleep(1.0)
         return below_b, confirmed_lsn(conf)
@@ -121,7 +128,7 @@ def test_psycopg2_cursor_alone_confirms_what_it_was_not_told(hazard):
     try:
         below_b, confirmed = _scenario(hazard, schema, read,
                                        lambda lsn: cursor.send_feedback(flush_lsn=lsn, write_lsn=lsn),
-                                       lambda: cursor.send_feedback(force=True))
+                                       lambda: cursor.send_feedback(force=True), settle_s=20.0)
     finally:
         conn.close()
     assert confirmed > below_b, ("psycopg2 no longer confirms past the acknowledged position on a keepalive; "
