@@ -176,13 +176,12 @@ def run(n: int, args, log) -> dict:
         log(f"{n} table(s): bronze batches {percentiles(batch_s)}; median per phase "
             f"{ {name: round(statistics.median(v), 3) for name, v in phase_s.items()} }; merge log tail:\n"
             + "\n".join(keeper.files(conf, "merge")["log"].read_text().splitlines()[-15:]))
-        history = metrics.history(conf)
-        merge_rows = history[history["service"] == "merge"]
+        steps = [r["silver_steps"] for r in records if r.get("silver_steps") is not None]
         result = {"tables": n, "rows_watched": len(committed), "fresh": percentiles(fresh),
                   "silver": percentiles(silver), "query_s": percentiles(query_s),
                   "missing_fresh": len(committed) - len(fresh), "missing_silver": len(committed) - len(silver),
                   "legs": {name: percentiles(values) for name, values in legs.items()},
-                  "silver_steps": int(merge_rows["silver_steps"].max()) if "silver_steps" in merge_rows else None,
+                  "silver_steps": max(steps) - min(steps) if steps else None,
                   "cpu_s": {k: round(cpu_after.get(k, 0) - cpu_before.get(k, 0), 1) for k in cpu_after}}
         f, s = (result[part] for part in ("fresh", "silver"))
         log(f"{n} table(s): fresh p50 {f.get('p50', float('nan')):.2f} s p99 {f.get('p99', float('nan')):.2f} s; "
