@@ -37,16 +37,39 @@ def load(target: str | None = None, conf_dir: Path | str | None = None, environ=
             f"no configuration for target {target!r}: {path} does not exist "
             f"(known targets: {', '.join(known) or 'none'}); pass one of them or add the file"
         )
+    conf = apply_overrides(_read(folder, target, ()), environ)
+    conf["target"] = target
+    conf["conf_file"] = str(path)
+    return conf
+
+
+def _read(folder: Path, target: str, seen: tuple[str, ...]) -> dict:
+    """conf/<target>.yml as a mapping; ``extends: <other target>`` at its top starts from that target's file, and
+    this file's values replace the other's (mappings merged key by key, anything else replaced whole)."""
+    path = folder / f"{target}.yml"
+    if target in seen:
+        raise ConfigError(f"{path}: 'extends' goes round in a circle ({' -> '.join((*seen, target))})")
+    if not path.is_file():
+        raise ConfigError(f"{folder / (seen[-1] + '.yml')} extends {target!r}, but {path} does not exist")
     try:
         conf = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(conf, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level")
-    conf = apply_overrides(conf, environ)
-    conf["target"] = target
-    conf["conf_file"] = str(path)
-    return conf
+    base = conf.pop("extends", None)
+    if base is None:
+        return conf
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends must name one target (a file of {folder} without .yml), not {base!r}")
+    return _merged(_read(folder, base, (*seen, target)), conf)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def apply_overrides(conf: dict, environ) -> dict:
@@ -135,6 +158,7 @@ DEFAULTS: dict[str, object] = {
     "views.actor_columns": ["updated_by", "modified_by", "changed_by", "last_modified_by", "created_by"],
     "debezium": {},
     "spark.app_name": "cdc-pipeline",
+    "spark.remote": None,  # sc://host:port: a Spark Connect session instead of a local driver (conf/connect.yml)
     "spark.jars_dir": None,
     "spark.settings": {},
     "spark.local_metastore": False,  # true: Hive metastore and warehouse under lake.root (lib/spark.py)

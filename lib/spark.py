@@ -26,8 +26,25 @@ JAVA_OPTIONS_KEY = "spark.driver.extraJavaOptions"
 DERBY_HOME_RE = re.compile(r"-Dderby\.system\.home=(\S+)")
 
 
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+# settings every session gets, a remote one too (they can be set at run time)
+SESSION_DEFAULTS = {
+    "spark.sql.shuffle.partitions": "4",
+    "spark.databricks.delta.snapshotPartitions": "4",
+    # Spark 4.1.1 fails (NullPointerException in SparkShreddingUtils.assembleVariantStructBatch) reading a
+    # cast of a VARIANT column pushed into the Parquet scan when a file holds rows of several bronze tables
+    # (a micro-batch's file, or any file after OPTIMIZE) and one declares a non-nullable field another lacks
+    # (tests/test_bronze_log.py); reading the variant whole and casting it after works
+    "spark.sql.variant.pushVariantIntoScan": "false",
+}
+
+
 class CatalogError(RuntimeError):
     """The session's catalog (metastore) cannot be opened."""
+
+
+class TargetError(RuntimeError):
+    """The Spark a target's conf asks for (a cluster, a Connect server) is not what this process got."""
 
 
 def local_jars(jars_dir: str) -> list[str]:
@@ -47,20 +64,10 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
         "spark.master": "local[*]",
         "spark.app.name": app_name,
         "spark.jars": ",".join(jars),
-        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.extensions": DELTA_EXTENSION,
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-        "spark.sql.shuffle.partitions": "4",
-        "spark.databricks.delta.snapshotPartitions": "4",
         "spark.ui.enabled": "false",
-        # compiled query code kept for reuse: each table's MERGE and reads compile classes of their own, and with
-        # Spark's 100 a driver that merges many tables compiles them again and again (docs/testing.md: test_merge_unit
-        # alone 6 % faster with 2000)
-        "spark.sql.codegen.cache.maxEntries": "2000",
-        # Spark 4.1.1 fails (NullPointerException in SparkShreddingUtils.assembleVariantStructBatch) reading a
-        # cast of a VARIANT column pushed into the Parquet scan when a file holds rows of several bronze tables
-        # (a micro-batch's file, or any file after OPTIMIZE) and one declares a non-nullable field another lacks
-        # (tests/test_bronze_log.py); reading the variant whole and casting it after works
-        "spark.sql.variant.pushVariantIntoScan": "false",
+        **SESSION_DEFAULTS,
         **(settings or {}),
     }
     builder = SparkSession.builder
@@ -130,13 +137,16 @@ def derby_path(url: str) -> str | None:
 
 def resolve_locations(settings: dict) -> dict[str, str]:
     """Settings as strings, with the relative local paths in them made absolute (under the project root):
-    spark.sql.warehouse.dir, the Derby metastore folder in the ConnectionURL and -Dderby.system.home."""
+    spark.sql.warehouse.dir, spark.pyspark.python, the Derby metastore folder in the ConnectionURL and
+    -Dderby.system.home."""
     out = {key: str(value) for key, value in settings.items()}
     if "spark.sql.warehouse.dir" in out:
         out["spark.sql.warehouse.dir"] = config.location(out["spark.sql.warehouse.dir"])
     path = derby_path(out.get(METASTORE_URL_KEY, ""))
     if path:
         out[METASTORE_URL_KEY] = out[METASTORE_URL_KEY].replace(path, config.location(path), 1)
+    if "spark.pyspark.python" in out:
+        out["spark.pyspark.python"] = config.location(out["spark.pyspark.python"])
     if JAVA_OPTIONS_KEY in out:
         out[JAVA_OPTIONS_KEY] = DERBY_HOME_RE.sub(lambda m: "-Dderby.system.home=" + config.location(m.group(1)),
                                                   out[JAVA_OPTIONS_KEY])
@@ -212,6 +222,9 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     catalog="in-memory" leaves the persistent metastore alone (for processes that only use Delta
     paths, such as the merge); one session per process, so the first call decides.
     """
+    remote = config.get(conf, "spark.remote")
+    if remote and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        return remote_session(remote, dict(config.get(conf, "spark.settings") or {}))
     settings = resolve_locations(dict(config.get(with_lake_metastore(conf), "spark.settings") or {}))
     if catalog is not None:
         if catalog not in ("hive", "in-memory"):
@@ -225,8 +238,139 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
         settings = with_java_options(settings, config.get(conf, "spark.class_archive_dir"),
                                      config.get(conf, "spark.driver_java_options"))
     jars_dir = config.get(conf, "spark.jars_dir")
-    return session(config.get(conf, "spark.app_name"),
-                   config.location(jars_dir) if jars_dir else None, settings)
+    spark = session(config.get(conf, "spark.app_name"), config.location(jars_dir) if jars_dir else None, settings)
+    master = settings.get("spark.master", "")
+    if master.startswith("spark://") and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        require_master(spark, master)
+        ship_project(spark)
+    return spark
+
+
+def is_remote(spark) -> bool:
+    """Whether spark is a Spark Connect session (no SparkContext, no JVM in this process)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def remote_session(url: str, settings: dict | None = None):
+    """A Spark Connect session at url (spark.remote), checked: Delta's SQL, the Kafka source, lib/ shipped, and
+    the server's Python the same major.minor as this one. Settings the server lets a session change are set."""
+    try:
+        spark = SparkSession.builder.remote(url).getOrCreate()
+    except Exception as exc:  # noqa: BLE001 - named with the remedy
+        if "SESSION_ALREADY_EXIST" not in str(exc):
+            raise
+        raise TargetError(f"conf asks for a Spark Connect session at {url} (spark.remote), but this process already "
+                          f"runs a local Spark session; start the remote one in a new process (restart the "
+                          f"notebook's kernel)") from exc
+    if not is_remote(spark):
+        raise TargetError(f"conf asks for a Spark Connect session at {url} (spark.remote), but the session builder "
+                          f"handed back a local session; restart the notebook's kernel")
+    try:
+        extensions = spark.conf.get("spark.sql.extensions", "") or ""
+    except Exception as exc:  # noqa: BLE001 - named with the remedy
+        raise TargetError(f"no Spark Connect server answers at {url} (spark.remote): start it (locally: "
+                          f"`.venv/bin/python -m lib.local.stack cluster up`) or point spark.remote at yours; {exc}"
+                          ) from exc
+    if DELTA_EXTENSION not in extensions:
+        raise TargetError(f"the Spark Connect server at {url} runs without Delta's SQL extension "
+                          f"(spark.sql.extensions is {extensions!r}): start it with --conf spark.sql.extensions="
+                          f"{DELTA_EXTENSION} --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta."
+                          f"catalog.DeltaCatalog and the delta-spark jar")
+    for key, value in {**SESSION_DEFAULTS, **(settings or {})}.items():
+        if spark.conf.isModifiable(key):
+            spark.conf.set(key, str(value))
+    try:
+        columns = spark.read.format("kafka").option("kafka.bootstrap.servers", "127.0.0.1:9") \
+            .option("subscribe", "x").load().columns  # analysed on the server, no connection to Kafka
+    except Exception as exc:  # noqa: BLE001 - named with the remedy
+        raise TargetError(f"the Spark Connect server at {url} cannot read Kafka ({str(exc).splitlines()[0]}): start "
+                          f"it with the spark-sql-kafka, spark-avro and PostgreSQL JDBC jars (--jars or --packages; "
+                          f"lib/local/stack/poms/spark.xml lists them)") from exc
+    if "value" not in columns:
+        raise TargetError(f"the Spark Connect server at {url} reads Kafka with columns {columns}, not Spark's Kafka "
+                          f"source's: start it with spark-sql-kafka of its Spark version")
+    ship_project(spark)
+    return spark
+
+
+def require_master(spark: SparkSession, master: str, timeout_s: float = 60.0) -> None:
+    """Fail unless spark runs on master with at least one executor registered (getOrCreate may hand back an
+    existing local session without a word)."""
+    import time
+
+    got = spark.sparkContext.master
+    if got != master:
+        raise TargetError(f"conf asks for spark.master {master}, but this process already runs a session on {got}; "
+                          f"start a new process (restart the notebook's kernel)")
+    deadline = time.monotonic() + timeout_s
+    while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 2:  # the driver counts as one
+        if time.monotonic() > deadline:
+            raise TargetError(f"no executor registered with the driver on {master} within {timeout_s:.0f} s: are the "
+                              f"workers up (`.venv/bin/python -m lib.local.stack cluster up`, or the cluster's UI) "
+                              f"with free cores and memory for spark.executor.cores and spark.executor.memory?")
+        time.sleep(0.5)
+
+
+def project_archive() -> str:
+    """A zip of the lib package (named by its content's hash), as executors and a Connect server import it."""
+    import zipfile
+
+    root = config.PROJECT_ROOT
+    sources = sorted(p for p in (root / "lib").rglob("*.py") if "__pycache__" not in p.parts)
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    target = os.path.join(tempfile.gettempdir(), f"cdc-lib-{os.getuid()}", f"cdc_lib_{digest.hexdigest()[:16]}.zip")
+    if not os.path.exists(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        partial = f"{target}.{os.getpid()}"
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as archive:
+            for path in sources:
+                archive.write(path, str(path.relative_to(root)))
+        os.replace(partial, target)
+    return target
+
+
+def ship_project(spark) -> str:
+    """Send lib/ to where this session's Python code runs away from this process (executors, a Connect server's
+    Python workers: UDFs, foreachBatch), then check there that it imports and that Python is this one's
+    major.minor. Returns where the workers imported lib from, and their Python's major.minor."""
+    from pyspark.errors import PythonException
+    from pyspark.sql import functions as F
+
+    archive = project_archive()
+    shipped = getattr(spark, "_cdc_shipped", None)
+    if shipped and shipped[0] == archive:
+        return shipped[1]
+    if is_remote(spark):
+        spark.addArtifacts(archive, pyfile=True)
+    else:
+        spark.sparkContext.addPyFile(archive)
+
+    def where_lib(_):
+        import sys as worker_sys
+
+        import lib as worker_lib
+
+        return f"{worker_sys.version_info[0]}.{worker_sys.version_info[1]} {worker_lib.__file__}"
+
+    wanted = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    try:
+        found = spark.range(1).select(F.udf(where_lib, "string")("id")).collect()[0][0]
+    except PythonException as exc:
+        raise TargetError(f"lib/ does not import in the Spark workers' Python after it was shipped "
+                          f"({str(exc).strip().splitlines()[-1]}): their interpreter (spark.pyspark.python, or the "
+                          f"server's PYSPARK_PYTHON) needs the packages of requirements.txt") from exc
+    except Exception as exc:  # noqa: BLE001 - a version mismatch is refused before the function runs
+        if "PYTHON_VERSION_MISMATCH" not in str(exc):
+            raise
+        raise TargetError(f"the Spark workers run another Python than this process's {wanted}: give them Python "
+                          f"{wanted} (spark.pyspark.python, or the Connect server's PYSPARK_PYTHON)") from exc
+    version = found.split(" ", 1)[0]
+    if version != wanted:
+        raise TargetError(f"the Spark workers run Python {version}, this process {wanted}: give them Python {wanted}")
+    spark._cdc_shipped = (archive, found)
+    return found
 
 
 def cores(spark: SparkSession) -> int | None:

@@ -25,10 +25,13 @@ from lib.operate import teardown
 # cache, which a driver fills in about 40 s (then its compiler is off), hence the 240 MB; the serial collector
 # costs a small test heap less CPU than G1; their projections and predicates run interpreted, as Spark does when
 # code generation fails: a test's tasks hold a few rows, and generating each task's projection code cost more than
-# running it (test_merge_unit alone 14 % faster; whole-stage code generation stays on; docs/testing.md)
+# running it (test_merge_unit alone 14 % faster; whole-stage code generation stays on; docs/testing.md); and they
+# keep 2000 compiled query classes (Spark: 100), as a test driver merges many small tables (test_merge_unit 6 %
+# faster). Not for users' drivers: a merge service running for an hour filled all 2000 with their class loaders
+# and kept G1 collecting without pause (docs/benchmarks.md, "The lake after an hour")
 os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS",
                       "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:+UseSerialGC"
-                      " -Dspark.sql.codegen.factoryMode=NO_CODEGEN")
+                      " -Dspark.sql.codegen.factoryMode=NO_CODEGEN -Dspark.sql.codegen.cache.maxEntries=2000")
 
 
 # the longest modules first in the collection (worker seconds in docs/testing.md); xdist then hands out the modules

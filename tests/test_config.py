@@ -48,6 +48,33 @@ def test_unknown_target_lists_the_known_ones(conf_dir):
         config.load("prod", conf_dir, {})
 
 
+def test_extends_starts_from_another_target_and_replaces_what_it_names(conf_dir):
+    (conf_dir / "edge.yml").write_text("extends: dev\nkafka:\n  partitions: 1\n  topics: [a]\nlake: {root: /x}\n")
+    conf = config.load("edge", conf_dir, {"CDC__KAFKA__BOOTSTRAP_SERVERS": "b:2"})
+    assert conf["kafka"] == {"bootstrap_servers": "b:2", "partitions": 1, "topics": ["a"]}
+    assert conf["source"]["vault"] == {"scope": "cdc", "key": "pg"} and conf["lake"] == {"root": "/x"}
+    assert "extends" not in conf and conf["target"] == "edge"
+
+
+def test_extends_in_a_circle_or_to_a_missing_target_is_an_error(conf_dir):
+    (conf_dir / "a.yml").write_text("extends: b\n")
+    (conf_dir / "b.yml").write_text("extends: a\n")
+    with pytest.raises(config.ConfigError, match=r"goes round in a circle \(a -> b -> a\)"):
+        config.load("a", conf_dir, {})
+    (conf_dir / "c.yml").write_text("extends: gone\n")
+    with pytest.raises(config.ConfigError, match=r"c.yml extends 'gone', but .*gone.yml does not exist"):
+        config.load("c", conf_dir, {})
+
+
+def test_the_cluster_and_connect_targets_are_local_with_their_own_spark_and_names():
+    local, cluster, connect = (config.load(t, environ={}) for t in ("local", "cluster", "connect"))
+    assert cluster["source"]["tables"] == local["source"]["tables"] == connect["source"]["tables"]
+    assert cluster["spark"]["settings"]["spark.master"].startswith("spark://")
+    assert connect["spark"]["remote"].startswith("sc://")
+    names = {(c["source"]["slot"], c["kafka"]["topic_prefix"], c["lake"]["root"]) for c in (local, cluster, connect)}
+    assert len(names) == 3  # each target its own slot, topics and lake: all three can run at once
+
+
 def test_invalid_yaml_names_the_file(tmp_path):
     (tmp_path / "bad.yml").write_text("kafka: [unclosed\n")
     with pytest.raises(config.ConfigError, match=r"bad.yml is not valid YAML"):

@@ -36,7 +36,7 @@ from pyspark.sql import types as T
 from lib import config, control, schema_registry
 from lib.capture import avro_schemas, events
 from lib.capture.catalog import Column, PgType, Table
-from lib.lake import browse, lake_paths, merge, micro_batch, silver_step, silver_table, writer_schemas
+from lib.lake import browse, delta_io, lake_paths, merge, micro_batch, silver_step, silver_table, writer_schemas
 
 pytestmark = pytest.mark.stack
 
@@ -366,6 +366,7 @@ def test_a_steps_merges_run_side_by_side_and_each_commit_records_its_own_table(r
             f"DESCRIBE HISTORY delta.`{path}`").collect() if r["operation"] == "MERGE"]
         assert len(merges) >= 2 and {m["table"] for m in merges} == {spec.qualified}
         assert merges[0]["bronze_seq"] == run["steps"][0]["seq"]
+        assert delta_io.detail(run["spark"], path)["properties"]["delta.autoOptimize.autoCompact"] == "true"
 
 
 def test_summary_and_cleanup_of_old_tombstones(run):

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pyspark.sql import types as T
 
-from lib.lake import silver_table
+from lib.lake import delta_io, silver_table
 
 SILVER = T.StructType([T.StructField("id", T.IntegerType()), T.StructField("name", T.StringType()),
                        T.StructField("_commit_lsn", T.LongType()), T.StructField("_event_serial", T.LongType()),
@@ -51,3 +51,21 @@ def test_the_rule_has_the_insert_clause_only_for_an_empty_table_and_a_truncate_c
     assert [c.kind for c in clauses] == ["matched update", "matched update", "not matched insert",
                                          "not matched by source update"]
     assert "t._commit_lsn < 50" in clauses[-1].condition and clauses[-1].assignments["_deleted"] == "true"
+
+
+def test_merges_into_a_table_with_silvers_properties_are_compacted_as_small_files_pile_up(spark_session, tmp_path):
+    path = str(tmp_path / "silver")
+    delta_io.ensure_table(spark_session, path, SILVER, properties=silver_table.AUTO_COMPACT)
+    statement = silver_table.merge_sql(f"delta.`{path}`", "batch", ["id"], ["name"])
+    spark_session.conf.set("spark.databricks.delta.autoCompact.minNumFiles", "6")  # Delta's default: 50
+    try:
+        for n in range(12):  # each MERGE inserts rows in up to four new files (four shuffle partitions)
+            spark_session.createDataFrame([(n * 10 + i, f"v{n}", "event", "c", 10 + n, i, T1, []) for i in range(8)],
+                                          BATCH).createOrReplaceTempView("batch")
+            spark_session.sql(statement)
+    finally:
+        spark_session.conf.unset("spark.databricks.delta.autoCompact.minNumFiles")
+    operations = [r["operation"] for r in spark_session.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()]
+    assert "OPTIMIZE" in operations and operations.count("MERGE") == 12, operations
+    assert delta_io.detail(spark_session, path)["numFiles"] < 12
+    assert spark_session.read.format("delta").load(path).count() == 96

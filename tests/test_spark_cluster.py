@@ -7,6 +7,12 @@ Runs on ports and a stack folder of its own, so a cluster a user started is left
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lib import config
@@ -76,8 +82,51 @@ def test_over_connect_delta_runs_on_the_cluster_and_executors_do_not_have_the_pr
         spark.stop()
 
 
+def _target(cluster, target: str, folder) -> dict:
+    """tests/spark_target.py for target in a process of its own, on the test's cluster (its ports)."""
+    conf = cluster[0]
+    env = {**os.environ, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
+           "CDC__SPARK__REMOTE": spark_cluster.connect_url(conf) if target == "connect" else "",
+           "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
+           "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
+           "CDC__SPARK__LOCAL_METASTORE": "false"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("spark_target.py")), target, str(folder)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TARGET ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("TARGET "):])
+
+
+def test_the_cluster_target_runs_on_the_master_with_lib_shipped_to_its_executors(cluster, tmp_path):
+    facts = _target(cluster, "cluster", tmp_path)
+    assert facts["remote"] is False and facts["master"] == spark_cluster.master_url(cluster[0])
+    assert facts["executors"] >= 1
+    version, where = facts["workers_lib"].split(" ", 1)
+    assert version == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert "cdc_lib_" in where and not where.startswith(str(config.PROJECT_ROOT / "lib")), where  # the shipped zip
+    assert facts["delta_rows"] == 1000
+
+
+def test_the_connect_target_is_remote_with_delta_and_lib_shipped_to_the_server(cluster, tmp_path):
+    facts = _target(cluster, "connect", tmp_path)
+    assert facts["remote"] is True and facts["master"] == spark_cluster.master_url(cluster[0])
+    assert "cdc_lib_" in facts["workers_lib"], facts
+    assert facts["delta_rows"] == 1000
+
+
+def test_a_connect_target_with_no_server_names_the_address_and_the_remedy(tmp_path):
+    script = ("import sys; from lib import spark as s\n"
+              "try:\n    s.remote_session('sc://127.0.0.1:27999')\n"
+              "except s.TargetError as e:\n    print('ERR', e); sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "no Spark Connect server answers at sc://127.0.0.1:27999" in done.stdout
+    assert "lib.local.stack cluster up" in done.stdout
+
+
 def test_down_stops_every_process_and_frees_the_ports(cluster):
     conf, folder, lines = cluster
     spark_cluster.stop(conf, folder, log=lines.append)
     assert [row["state"] for row in spark_cluster.status(conf, folder)] == ["stopped"] * 4
     assert not any(process.port_in_use("127.0.0.1", port) for port in (27177, 27180, 27102))
+

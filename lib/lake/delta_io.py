@@ -52,9 +52,10 @@ def properties(spark: SparkSession, path: str) -> dict[str, str]:
     return dict(spark.sql(f"DESCRIBE DETAIL delta.{quote(path)}").collect()[0]["properties"] or {})
 
 
-def has_files(spark: SparkSession, path: str) -> bool:
-    """True when the table holds data files."""
-    return bool(spark.sql(f"DESCRIBE DETAIL delta.{quote(path)}").collect()[0]["numFiles"])
+def detail(spark: SparkSession, path: str) -> dict:
+    """The table's data files (numFiles) and properties, in one DESCRIBE DETAIL."""
+    row = spark.sql(f"DESCRIBE DETAIL delta.{quote(path)}").select("numFiles", "properties").collect()[0]
+    return {"numFiles": int(row["numFiles"] or 0), "properties": dict(row["properties"] or {})}
 
 
 def is_table(spark: SparkSession, path: str) -> bool:

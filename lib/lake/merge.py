@@ -11,8 +11,9 @@ import logging
 from pyspark.sql import DataFrame, SparkSession
 
 from lib import config, control, kafka_client, secrets
+from lib import spark as spark_session
 from lib.capture import incremental
-from lib.lake import lake_paths, micro_batch, silver_step, silver_table
+from lib.lake import delta_io, lake_paths, micro_batch, silver_step, silver_table
 from lib.lake.lake_paths import MergeError, query_name
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,8 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
     and leave the dead-letter table; the others stay there with their (new) reason. Returns the batch's counts."""
     import hashlib
 
-    from delta.tables import DeltaTable
-
     path = lake_paths.dead_letter_path(conf)
-    if not DeltaTable.isDeltaTable(spark, path):
+    if not delta_io.is_table(spark, path):
         return {"replayed": 0}
     letters = spark.read.format("delta").load(path).select("key", "value", "topic", "partition", "offset",
                                                            "timestamp").dropDuplicates(["topic", "partition",
@@ -46,10 +45,14 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
     frame = spark.createDataFrame(rows, letters.schema)
     stats = micro_batch.process_batch(frame, 0, micro_batch.context(replay_conf, query=query, app_id=query))
     silver_step.run(conf, spark)
-    DeltaTable.forPath(spark, path).alias("d").merge(
-        frame.select("topic", "partition", "offset").alias("r"),
-        f"d.topic = r.topic AND d.partition = r.partition AND d.offset = r.offset AND d.query <> '{query}'") \
-        .whenMatchedDelete().execute()
+    replayed = f"cdc_replayed_{digest}"  # SQL rather than the DeltaTable API: it runs over Spark Connect too
+    frame.select("topic", "partition", "offset").createOrReplaceTempView(replayed)
+    try:
+        spark.sql(f"MERGE INTO delta.{lake_paths.quote(path)} AS d USING {replayed} AS r ON d.`topic` = r.`topic` "
+                  f"AND d.`partition` = r.`partition` AND d.`offset` = r.`offset` AND d.`query` <> "
+                  f"{delta_io.literal(query)} WHEN MATCHED THEN DELETE")
+    finally:
+        spark.catalog.dropTempView(replayed)
     still = sum(stats.get("dead_letters", {}).values())
     log.info("replayed %s dead letter(s): %s merged, %s still dead letters", len(rows), len(rows) - still, still)
     return {**stats, "replayed": len(rows) - still, "still_dead": still}
@@ -117,9 +120,14 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     name = query_name(conf)
     ctx = micro_batch.context(conf, name)
     ctx.session, ctx.retired = spark, frozenset(retired_topics(conf))
+    ctx.checkpoint = lake_paths.checkpoint_path(conf, name)
+    if spark_session.is_remote(spark):  # the function runs on the Connect server: it carries names, not ctx
+        function = micro_batch.BatchFunction(conf, name, ctx.checkpoint, ctx.retired)
+    else:
+        def function(frame, batch_id):
+            return micro_batch.process_batch(frame, batch_id, ctx)
     writer = read_stream(conf, spark, sorted(ctx.retired)).writeStream.queryName(name) \
-        .option("checkpointLocation", lake_paths.checkpoint_path(conf, name)) \
-        .foreachBatch(lambda frame, batch_id: micro_batch.process_batch(frame, batch_id, ctx))
+        .option("checkpointLocation", ctx.checkpoint).foreachBatch(function)
     if trigger == "available_now":
         writer = writer.trigger(availableNow=True)
     elif trigger == "processing_time":
@@ -129,6 +137,17 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     query = writer.start()
     query.merge_context = ctx  # the batches' counts: query.merge_context.history
     return query
+
+
+def batches(query) -> list[dict]:
+    """A merge query's batches: the records its foreachBatch function kept in this process, or where that function
+    ran in another (a Spark Connect server), Spark's progress reports (no per-table counts)."""
+    ctx = query.merge_context
+    if ctx.history or not spark_session.is_remote(ctx.session):
+        return list(ctx.history)
+    return [{"batch_id": p.batchId, "tables": {}, "input_rows": p.numInputRows,
+             "seconds": round((p.durationMs or {}).get("triggerExecution", 0) / 1000, 2)}
+            for p in query.recentProgress if p.numInputRows]
 
 
 def restart_reason(exc: BaseException, batches: int) -> str:
@@ -170,10 +189,10 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, s
         ctx = query.merge_context
         try:
             query.awaitTermination()
-            history += ctx.history
+            history += batches(query)
             break
         except StreamingQueryException as exc:
-            history += ctx.history
+            history += batches(query)
             if ctx.failure is not None:
                 batch_id, cause = ctx.failure
                 raise MergeError(

@@ -47,6 +47,7 @@ class MergeContext:
     appended: dict = field(default_factory=dict)  # dead-letter path -> last batch id appended by this context
     retired: frozenset = frozenset()  # topics re-keyed tables wrote before: read (Spark needs it), skipped
     active: bool = False  # a micro-batch is running now (the silver cadence waits for bronze to be idle)
+    checkpoint: str | None = None  # the query's checkpoint: where its id is found when no session lists the query
 
     def spec(self, topic: str) -> TableSpec | None:
         """The table a topic belongs to."""
@@ -72,11 +73,37 @@ def truncates(conf: dict) -> dict[str, tuple[int, int, object]]:
 def _app_id(ctx: MergeContext, spark: SparkSession) -> str:
     if ctx.app_id is None:  # foreachBatch runs in a clone of the session, whose query manager is empty
         active = [q for q in (ctx.session or spark).streams.active if q.name == ctx.query]
-        if not active:
+        if active:
+            ctx.app_id = f"{ctx.query}-{active[0].id}"
+        elif ctx.checkpoint:  # over Spark Connect this runs on the server: the id the query wrote at its start
+            ctx.app_id = f"{ctx.query}-{json.loads(spark.read.text(f'{ctx.checkpoint}/metadata').first()[0])['id']}"
+        else:
             raise MergeError(f"merge query {ctx.query} is not active in this session, so its id (part of the Delta "
                              f"idempotence ids) is unknown; pass app_id to context() when calling process_batch")
-        ctx.app_id = f"{ctx.query}-{active[0].id}"
     return ctx.app_id
+
+
+_CONTEXTS: dict = {}  # (query, checkpoint) -> the MergeContext of a BatchFunction in this process (its caches)
+
+
+@dataclass
+class BatchFunction:
+    """The foreachBatch function where it runs in another process (a Spark Connect server's Python worker): it
+    carries only conf and names, and keeps its MergeContext (caches, registry client) in that process.
+
+    Its records stay there too: a client reads a query's progress from Spark (query.recentProgress)."""
+
+    conf: dict
+    query: str
+    checkpoint: str
+    retired: frozenset = frozenset()
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        key = (self.query, self.checkpoint)
+        if key not in _CONTEXTS:
+            _CONTEXTS[key] = context(self.conf, self.query)
+            _CONTEXTS[key].checkpoint, _CONTEXTS[key].retired = self.checkpoint, self.retired
+        process_batch(batch, batch_id, _CONTEXTS[key])
 
 
 def process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:

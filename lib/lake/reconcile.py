@@ -33,7 +33,7 @@ from pyspark.sql.avro.functions import from_avro
 
 from lib import config, source
 from lib.capture import avro_schemas, catalog, pgtypes
-from lib.lake import lake_paths
+from lib.lake import delta_io, lake_paths
 from lib.lake.lake_paths import META_COLUMNS, MergeError, quote
 
 
@@ -120,8 +120,6 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
     columns_compared and columns_only_in_silver. ``conn`` (a psycopg2 connection, left open) replaces
     the pipeline role's connection to source.database (or ``dbname``).
     """
-    from delta.tables import DeltaTable
-
     specs = [s for s in lake_paths.table_specs(conf) if not tables or s.qualified in tables or s.name in tables]
     unknown_types = config.get(conf, "source.unknown_types")
     own, autocommit = conn is None, None
@@ -150,7 +148,7 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
             path = lake_paths.silver_path(conf, spec)
             if against and spec.qualified in against:
                 silver = against[spec.qualified]
-            elif DeltaTable.isDeltaTable(spark, path):
+            elif delta_io.is_table(spark, path):
                 silver = spark.read.format("delta").load(path).filter(~F.col("_deleted"))
             else:
                 silver = spark.createDataFrame([], T.StructType([T.StructField(f.name, f.dataType)

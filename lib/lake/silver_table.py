@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 TOPIC_PROPERTY = "cdc.topic"  # the topic a silver table is built from (a re-keyed table moves to another)
 KEY_PROPERTY = "cdc.key"  # its key columns, comma-separated (the views type the bronze log's keys by them)
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"  # what a commit says of itself
+# Each MERGE writes new files (up to one per shuffle partition); without compaction a silver table fed every
+# merge.silver_interval_s grows by hundreds of small files an hour (docs/benchmarks.md, the soak). Delta's auto
+# compaction bins them once a table holds 50 small ones, right after the MERGE that made them.
+AUTO_COMPACT = {"delta.autoOptimize.autoCompact": "true"}
 HISTORY_COMMITS = 100  # silver commits searched for the bronze log commit applied last
 
 
@@ -248,13 +252,18 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
     payload = [f.name for f in layout.row.fields if f.name.lower() not in key_lower]
     ready = {} if ready is None else ready
     known = ready.get(path)
+    if known is not None and known["row"] == layout.row and not known["filled"]:
+        known["filled"] = delta_io.detail(spark, path)["numFiles"] > 0
     if known is None or known["row"] != layout.row:
         delta_io.ensure_table(spark, path, silver_schema(layout), keys + list(META_COLUMNS),
-                              {TOPIC_PROPERTY: spec.topic, KEY_PROPERTY: ",".join(keys)})
+                              {TOPIC_PROPERTY: spec.topic, KEY_PROPERTY: ",".join(keys), **AUTO_COMPACT})
         _align_columns(spark, path, spec, layout.row)
         known = ready[path] = {"row": layout.row, "filled": False}
-    if not known["filled"]:
-        known["filled"] = delta_io.has_files(spark, path)
+        found = delta_io.detail(spark, path)
+        known["filled"] = found["numFiles"] > 0
+        if any(found["properties"].get(k) != v for k, v in AUTO_COMPACT.items()):  # made before it was set
+            options = ", ".join(f"{delta_io.literal(k)} = {delta_io.literal(v)}" for k, v in AUTO_COMPACT.items())
+            spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({options})")
     # a global view: the source may belong to another session than the MERGE (silver_step's side-by-side MERGEs)
     view = "cdc_silver_pending_" + re.sub(r"[^A-Za-z0-9_]", "_", spec.qualified)
     statement = merge_sql(f"delta.{quote(path)}", f"global_temp.{view}", keys, payload, known["filled"], truncate,

@@ -208,15 +208,15 @@ def silver_behind(conf: dict, spark=None) -> dict[str, int]:
 
 def merged_positions(conf: dict, spark) -> dict[str, int | None]:
     """The newest source position (commit LSN) in each silver table, from Delta (one Spark job)."""
-    from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
+    from lib.lake import delta_io
 
     frames, result = [], {}
     for spec in lake_paths.table_specs(conf):
         path = lake_paths.silver_path(conf, spec)
         result[spec.qualified] = None
-        if DeltaTable.isDeltaTable(spark, path):
+        if delta_io.is_table(spark, path):
             frames.append(spark.read.format("delta").load(path).agg(
                 F.lit(spec.qualified).alias("t"), F.max("_commit_lsn").alias("lsn")))
     if frames:

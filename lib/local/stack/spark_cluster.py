@@ -146,6 +146,7 @@ def _start_connect(conf: dict, stack_dir: Path, env: dict, timeout: float, log) 
         "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         "spark.driver.memory": "1g", "spark.executor.memory": "1g", "spark.ui.enabled": "false",
+        "spark.cores.max": "1",  # one worker's core: the other is left for a driver of conf/cluster.yml
         "spark.pyspark.python": interpreter, "spark.pyspark.driver.python": interpreter,
         "spark.sql.shuffle.partitions": "4", "spark.jars": ",".join(jars),
     }
