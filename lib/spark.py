@@ -254,6 +254,7 @@ def is_remote(spark) -> bool:
 def remote_session(url: str, settings: dict | None = None):
     """A Spark Connect session at url (spark.remote), checked: Delta's SQL, the Kafka source, lib/ shipped, and
     the server's Python the same major.minor as this one. Settings the server lets a session change are set."""
+    _require_listening(url)
     try:
         spark = SparkSession.builder.remote(url).getOrCreate()
     except Exception as exc:  # noqa: BLE001 - named with the remedy
@@ -265,12 +266,7 @@ def remote_session(url: str, settings: dict | None = None):
     if not is_remote(spark):
         raise TargetError(f"conf asks for a Spark Connect session at {url} (spark.remote), but the session builder "
                           f"handed back a local session; restart the notebook's kernel")
-    try:
-        extensions = spark.conf.get("spark.sql.extensions", "") or ""
-    except Exception as exc:  # noqa: BLE001 - named with the remedy
-        raise TargetError(f"no Spark Connect server answers at {url} (spark.remote): start it (locally: "
-                          f"`.venv/bin/python -m lib.local.stack cluster up`) or point spark.remote at yours; {exc}"
-                          ) from exc
+    extensions = spark.conf.get("spark.sql.extensions", "") or ""
     if DELTA_EXTENSION not in extensions:
         raise TargetError(f"the Spark Connect server at {url} runs without Delta's SQL extension "
                           f"(spark.sql.extensions is {extensions!r}): start it with --conf spark.sql.extensions="
@@ -291,6 +287,22 @@ def remote_session(url: str, settings: dict | None = None):
                           f"source's: start it with spark-sql-kafka of its Spark version")
     ship_project(spark)
     return spark
+
+
+def _require_listening(url: str, timeout_s: float = 10.0) -> None:
+    """Fail at once, naming url and the remedy, when nothing listens at a Connect URL's host and port (the client
+    itself retries for minutes)."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url.replace("sc://", "http://", 1))
+    host, port = parsed.hostname or "localhost", parsed.port or 15002
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise TargetError(f"no Spark Connect server answers at {url} (spark.remote; {exc.strerror or exc}): start it "
+                          f"(locally: `.venv/bin/python -m lib.local.stack cluster up`) or point spark.remote at "
+                          f"yours") from exc
 
 
 def require_master(spark: SparkSession, master: str, timeout_s: float = 60.0) -> None:

@@ -85,7 +85,9 @@ def test_over_connect_delta_runs_on_the_cluster_and_executors_do_not_have_the_pr
 def _target(cluster, target: str, folder) -> dict:
     """tests/spark_target.py for target in a process of its own, on the test's cluster (its ports)."""
     conf = cluster[0]
-    env = {**os.environ, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
+    inherited = {k: v for k, v in os.environ.items()  # this process's Connect session set pyspark's mode flags
+                 if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")}
+    env = {**inherited, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
            "CDC__SPARK__REMOTE": spark_cluster.connect_url(conf) if target == "connect" else "",
            "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
            "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
@@ -118,7 +120,7 @@ def test_a_connect_target_with_no_server_names_the_address_and_the_remedy(tmp_pa
     script = ("import sys; from lib import spark as s\n"
               "try:\n    s.remote_session('sc://127.0.0.1:27999')\n"
               "except s.TargetError as e:\n    print('ERR', e); sys.exit(3)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr[-2000:]
     assert "no Spark Connect server answers at sc://127.0.0.1:27999" in done.stdout
     assert "lib.local.stack cluster up" in done.stdout
