@@ -119,6 +119,23 @@ def first_version(client: SchemaRegistryClient, subject: str) -> tuple[int, dict
     return first.schema_id, json.loads(first.schema.schema_str)
 
 
+def existing(client: SchemaRegistryClient, names) -> list[str]:
+    """The subjects among names that the registry holds, each asked by name (a registry's subject list is paged:
+    Apicurio's holds the first 1,000)."""
+    url, found = _url(client), []
+    for subject in names:
+        try:
+            client.get_versions(subject)
+        except SchemaRegistryError as exc:
+            if exc.http_status_code == 404:
+                continue
+            raise _registry_error(exc, subject, url) from exc
+        except Exception as exc:
+            raise _unreachable(exc, subject, url) from exc
+        found.append(subject)
+    return found
+
+
 def _url(client) -> str | None:
     """The registry URL the client talks to (for messages; never includes credentials we add)."""
     try:

@@ -24,7 +24,7 @@ from confluent_kafka import Consumer, TopicPartition
 from psycopg2 import sql
 from pyspark.sql import functions as F
 
-from lib import config, control, source
+from lib import config, control, schema_registry, source
 from lib.capture import bootstrap, snapshot
 from lib.lake import browse, lake_paths, reconcile
 from lib.local import sample_db, workload
@@ -308,8 +308,13 @@ def test_teardown_refuses_without_confirmation_then_leaves_nothing(pipeline):
         teardown.run(conf)
     assert monitor.slot_row(conf) is not None, "refused, so the slot must still be there"
 
+    registry = schema_registry.client(conf)
+    subjects = [s for spec in lake_paths.table_specs(conf) for s in schema_registry.subjects(spec.topic)]
+    assert schema_registry.existing(registry, subjects) == subjects  # asked by name, however many the registry holds
     result = teardown.run(conf, topics=True, confirm=True, log=quiet)
     assert f"slot {slot}" in result["dropped"] and f"publication {publication}" in result["dropped"]
+    assert f"{len(subjects)} registry subject(s)" in result["dropped"] and not schema_registry.existing(registry,
+                                                                                                      subjects)
     assert monitor.slot_row(conf) is None
     conn = source.connect(conf)
     try:

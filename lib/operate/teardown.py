@@ -63,7 +63,7 @@ def plan(conf: dict, topics: bool = False) -> dict:
     if topics:
         found_topics = {t: sum(p.values()) for t, p in monitor.end_offsets(conf, names).items()}
         wanted = {s for t in names for s in schema_registry.subjects(t)}
-        subjects = sorted(s for s in schema_registry.client(conf).get_subjects() if s in wanted)
+        subjects = sorted(schema_registry.existing(schema_registry.client(conf), wanted))
     return {"slot": slot, "slot_row": slot_row, "publication": publication if has_publication else None,
             "published_tables": published, "snapshot_record": record, "topics": found_topics, "subjects": subjects,
             "running": [row["service"] for row in service.status(conf) if row["state"] == "running"]}
@@ -202,7 +202,8 @@ def delete_prefix(conf: dict, prefix: str) -> list[str]:
         with contextlib.suppress(Exception):
             future.result(30)
     registry = schema_registry.client(conf)
-    for subject in registry.get_subjects():
+    named = {s for t in doomed for s in schema_registry.subjects(t)}  # asked by name: the list below is paged
+    for subject in sorted(named | {s for s in registry.get_subjects() if s.startswith(prefix)}):
         if subject.startswith(prefix):
             for permanent in (False, True):
                 with contextlib.suppress(Exception):
