@@ -67,6 +67,14 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
         "spark.sql.extensions": DELTA_EXTENSION,
         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
         "spark.ui.enabled": "false",
+        # what a driver remembers of its finished queries, for a UI that is off: Spark keeps 1,000 SQL executions
+        # with their plan texts (a bronze batch's plan holds every table's writer schemas), 1,000 jobs and stages;
+        # a merge service held 1,052 executions and a full old generation after 12 minutes (docs/benchmarks.md,
+        # "The lake after an hour")
+        "spark.sql.ui.retainedExecutions": "50",
+        "spark.ui.retainedJobs": "100",
+        "spark.ui.retainedStages": "100",
+        "spark.ui.retainedTasks": "10000",
         **SESSION_DEFAULTS,
         **(settings or {}),
     }
