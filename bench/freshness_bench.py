@@ -64,22 +64,35 @@ def percentiles(values: list[float]) -> dict:
             "mean": statistics.fmean(values)}
 
 
+def isolated(folder: str, n: int) -> dict:
+    """conf of a database of its own with n tables fresh.t01 ... (schema_sql), its lake and services in folder."""
+    tables = [f"fresh.t{i:02d}" for i in range(1, n + 1)]
+    return bench_env.isolated(tables, {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
+                                       "CDC__SERVICE__DIR": os.path.join(folder, "services")},
+                              schema_sql=schema_sql(n), schemas=("fresh",))
+
+
+def start_pipeline(conf: dict, folder: str):
+    """A Spark session (its metastore in folder), the slot, the snapshot, and the capture and merge services
+    started as `make run` starts them, caught up. Returns the session."""
+    spark = spark_lib.from_conf(spark_lib.with_metastore(conf, os.path.join(folder, "metastore")))
+    bootstrap.run(conf, log=lambda *a: None)
+    snapshot.run(conf, spark, log=lambda *a: None)
+    started = time.time()
+    service.start(conf, log=lambda *a: None)
+    monitor.wait_until_recording(conf, since=started, timeout_s=600)
+    monitor.wait_until_caught_up(conf, timeout_s=900)
+    return spark
+
+
 def run(n: int, args, log) -> dict:
     """One measurement with n tables; everything it made is removed at the end."""
     folder = tempfile.mkdtemp(prefix="cdc-fresh-bench-")
     tables = [f"fresh.t{i:02d}" for i in range(1, n + 1)]
-    conf = bench_env.isolated(tables, {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
-                                       "CDC__SERVICE__DIR": os.path.join(folder, "services")},
-                              schema_sql=schema_sql(n), schemas=("fresh",))
+    conf = isolated(folder, n)
     spark = None
     try:
-        spark = spark_lib.from_conf(spark_lib.with_metastore(conf, os.path.join(folder, "metastore")))
-        bootstrap.run(conf, log=lambda *a: None)
-        snapshot.run(conf, spark, log=lambda *a: None)
-        started = time.time()
-        service.start(conf, log=lambda *a: None)
-        monitor.wait_until_recording(conf, since=started, timeout_s=600)
-        monitor.wait_until_caught_up(conf, timeout_s=900)
+        spark = start_pipeline(conf, folder)
         policy = {"default": "keep", "database": f"fresh_v_{n}", "privileged_database": f"fresh_p_{n}"}
         masking.create_views(conf, spark, policy, tables=["fresh.t01"])
         view = masking.view(conf, "fresh.t01", "fresh", policy)

@@ -35,8 +35,6 @@ import bench_env  # noqa: E402 - the sibling module, found through the path set 
 import freshness_bench  # noqa: E402
 
 from lib import source  # noqa: E402
-from lib import spark as spark_lib  # noqa: E402
-from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import fresh_read, lake_paths, reconcile  # noqa: E402
 from lib.operate import metrics, monitor, service  # noqa: E402
 from lib.views import masking  # noqa: E402
@@ -91,18 +89,10 @@ def sample(conf: dict, spark, view: str, policy: dict, since_record: int, cpu_be
 def run(args, log) -> dict:
     folder = tempfile.mkdtemp(prefix="cdc-soak-bench-")
     tables = [f"fresh.t{i:02d}" for i in range(1, args.tables + 1)]
-    conf = bench_env.isolated(tables, {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
-                                       "CDC__SERVICE__DIR": os.path.join(folder, "services")},
-                              schema_sql=freshness_bench.schema_sql(args.tables), schemas=("fresh",))
+    conf = freshness_bench.isolated(folder, args.tables)
     spark, stop, counts, samples = None, threading.Event(), {"transactions": 0}, []
     try:
-        spark = spark_lib.from_conf(spark_lib.with_metastore(conf, os.path.join(folder, "metastore")))
-        bootstrap.run(conf, log=lambda *a: None)
-        snapshot.run(conf, spark, log=lambda *a: None)
-        started = time.time()
-        service.start(conf, log=lambda *a: None)
-        monitor.wait_until_recording(conf, since=started, timeout_s=600)
-        monitor.wait_until_caught_up(conf, timeout_s=900)
+        spark = freshness_bench.start_pipeline(conf, folder)
         policy = {"default": "keep", "database": "soak_v", "privileged_database": "soak_p"}
         masking.create_views(conf, spark, policy, tables=["fresh.t01"])
         view = masking.view(conf, "fresh.t01", "fresh", policy)
