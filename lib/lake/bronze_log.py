@@ -59,8 +59,8 @@ PER_TABLE = ("_table", "key", "op", "before", "after", "source", "ts_ms", "trans
 
 
 def log_columns(table: str, tag: str, reason: Column, detail: Column) -> dict[str, Column]:
-    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout (no _seq yet), plus why
-    a row cannot be merged (reason, detail: dead letters, with their raw __k and __v), by column name."""
+    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout (no _batch_id, _seq yet),
+    plus why a row cannot be merged (reason, detail: dead letters, with their raw __k and __v), by column name."""
     env = F.col(f"__env{tag}")
     return {
         "_table": F.lit(table), "key": F.to_variant_object(F.col(f"__key{tag}")), "op": env["op"],
@@ -70,7 +70,7 @@ def log_columns(table: str, tag: str, reason: Column, detail: Column) -> dict[st
         "_tombstone_lsn": F.col("__tlsn"), "_tombstone_serial": F.col("__tserial"),
         "_kafka_topic": F.col("topic"), "_kafka_partition": F.col("partition"), "_kafka_offset": F.col("offset"),
         "_kafka_timestamp": F.col("timestamp"), "_key_schema_id": F.col("__kid"), "_value_schema_id": F.col("__vid"),
-        "_batch_id": F.col("__batch"), "__reason": reason, "__detail": detail,
+        "__reason": reason, "__detail": detail,
         "__k": F.col("__k"), "__v": F.col("__v")}
 
 
