@@ -393,6 +393,21 @@ def ship_project(spark) -> str:
     return found
 
 
+def carrying(function):
+    """``function`` wrapped to run in a Python process that cannot import lib/ (a Spark Connect server's
+    foreachBatch worker): the wrapper carries the project's zip and is pickled without lib (lib/carried_call.py)."""
+    import pickle
+
+    from pyspark import cloudpickle
+
+    from lib import carried_call
+
+    cloudpickle.register_pickle_by_value(carried_call)
+    archive = project_archive()
+    with open(archive, "rb") as source:
+        return carried_call.carrying(source.read(), os.path.basename(archive), pickle.dumps(function))
+
+
 def cores(spark: SparkSession) -> int | None:
     """Spark's default parallelism (the cores it runs tasks on); None where the session hides it (Spark Connect)."""
     try:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import textwrap
 
 import pytest
+from pyspark import cloudpickle
 
 from lib import config, spark
 
@@ -94,3 +98,25 @@ def test_a_metastore_named_in_the_settings_wins_and_a_remote_lake_is_refused(tmp
     remote = config.apply_overrides(config.load("local"), {"CDC__LAKE__ROOT": "abfss://lake@acct.dfs.core.windows.net/cdc"})
     with pytest.raises(config.ConfigError, match="spark.local_metastore: false"):
         spark.with_lake_metastore(remote)
+
+
+def test_a_carried_function_runs_in_a_python_that_cannot_import_the_project(tmp_path):
+    wrapped = spark.carrying(config.is_remote)
+    (tmp_path / "function.pickle").write_bytes(cloudpickle.dumps(wrapped))
+    # -S: no site-packages' .pth files, so neither the editable install of lib nor this checkout is on the path;
+    # the site-packages folder itself is added back for pyspark (cloudpickle) and PyYAML
+    script = textwrap.dedent(f"""
+        import importlib.util, pickle, sys
+        sys.path = [p for p in sys.path if p and not p.startswith({str(config.PROJECT_ROOT)!r})]
+        sys.path.append({sysconfig.get_paths()["purelib"]!r})
+        assert importlib.util.find_spec("lib") is None, "lib importable before the call"
+        call = pickle.loads(open("function.pickle", "rb").read())
+        print(call("s3://bucket/x"), call("/tmp/x"), sys.modules["lib"].__file__)
+    """)
+    done = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    remote, local, where = done.stdout.split()
+    assert (remote, local) == ("True", "False")
+    assert where == os.path.join(tempfile.gettempdir(), os.path.basename(spark.project_archive()), "lib",
+                                 "__init__.py")

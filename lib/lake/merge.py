@@ -121,8 +121,8 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     ctx = micro_batch.context(conf, name)
     ctx.session, ctx.retired = spark, frozenset(retired_topics(conf))
     ctx.checkpoint = lake_paths.checkpoint_path(conf, name)
-    if spark_session.is_remote(spark):  # the function runs on the Connect server: it carries names, not ctx
-        function = micro_batch.BatchFunction(conf, name, ctx.checkpoint, ctx.retired)
+    if spark_session.is_remote(spark):  # the function runs on the Connect server: it carries names and lib/, not ctx
+        function = spark_session.carrying(micro_batch.BatchFunction(conf, name, ctx.checkpoint, ctx.retired))
     else:
         def function(frame, batch_id):
             return micro_batch.process_batch(frame, batch_id, ctx)
