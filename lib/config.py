@@ -197,6 +197,13 @@ def command(conf: dict, module: str, args: str = "") -> str:
     return f"`python -m {module} {args + ' ' if args else ''}--target {conf.get('target', 'local')}`"
 
 
+def use_project_root(root: str | os.PathLike) -> None:
+    """Resolve conf's relative paths against root from now on, in a process that imported lib from an archive (a
+    Spark Connect server's foreachBatch worker: lib.carried_call) rather than from the project's folder."""
+    global PROJECT_ROOT, CONF_DIR
+    PROJECT_ROOT, CONF_DIR = Path(root), Path(root) / "conf"
+
+
 def project_path(value: str | os.PathLike) -> Path:
     """A path from conf: absolute as given, relative to the project root otherwise."""
     path = Path(os.path.expanduser(str(value)))

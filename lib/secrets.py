@@ -62,7 +62,8 @@ def resolve(ref, setting: str = "a setting", environ=None, secrets_file: Path | 
             dbutils=None) -> str:
     """The secret value behind ref; the error names the setting, reference and where it looked."""
     environ = os.environ if environ is None else environ
-    secrets_file = SECRETS_FILE if secrets_file is None else secrets_file
+    secrets_file = config.CONF_DIR / "secrets.env" if secrets_file is None else secrets_file  # SECRETS_FILE, or
+    # where config.use_project_root moved it
     if not is_reference(ref):
         raise SecretError(
             f"{setting} must be a secret reference ({{env: NAME}} or {{scope: S, key: K}}), "

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,43 @@ def test_the_connect_target_is_remote_with_delta_and_lib_shipped_to_the_server(c
     assert facts["remote"] is True and facts["master"] == spark_cluster.master_url(cluster[0])
     assert "cdc_lib_" in facts["workers_lib"], facts
     assert facts["delta_rows"] == 1000
+
+
+def _pipeline(cluster, target: str, folder) -> dict:
+    """tests/pipeline_on_target.py for target in a process of its own, on the test's cluster, with its own slot,
+    topics, lake and job runs."""
+    conf, tag = cluster[0], uuid.uuid4().hex[:6]
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")}
+    env = {**inherited, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
+           "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
+           "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
+           "CDC__SOURCE__SLOT": f"cdc_e2e_{target}_{tag}", "CDC__SOURCE__PUBLICATION": f"cdc_e2e_{target}_{tag}",
+           "CDC__KAFKA__TOPIC_PREFIX": f"cdc_e2e_{target}_{tag}", "CDC__LAKE__ROOT": str(folder / "lake"),
+           "CDC__JOBS__RUNS_DIR": str(folder / "runs")}
+    if target == "connect":
+        env["CDC__SPARK__REMOTE"] = spark_cluster.connect_url(conf)
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("pipeline_on_target.py")), target],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PIPELINE ")]
+    assert done.returncode == 0 and lines, done.stderr[-5000:]
+    return json.loads(lines[-1][len("PIPELINE "):])
+
+
+@pytest.mark.parametrize("target", ["cluster", "connect"])
+def test_the_notebooks_job_a_write_load_and_the_continuous_merge_end_exact_on_the_target(cluster, target, tmp_path):
+    facts = _pipeline(cluster, target, tmp_path)
+    assert facts["job"] == {name: True for name in ("01_bootstrap_slot", "02_snapshot", "03_stream_to_kafka",
+                                                     "04_merge_into_delta", "05_masking_views")}, facts["job"]
+    assert facts["remote"] is (target == "connect") and facts["master"] == spark_cluster.master_url(cluster[0])
+    assert facts["load"]["transactions"] == 80 and facts["stream"] > 80, facts
+    assert facts["merge"]["silver_tables"] >= 1, facts["merge"]
+    assert len(facts["silver"]) == 8 and all(equal for equal, _ in facts["silver"].values()), facts["silver"]
+    assert facts["fresh"] == {table: True for table in facts["silver"]}, facts["fresh"]
+    service = facts["service"]  # the continuous merge service, while a second load arrives
+    assert "error" not in service and service["load"]["transactions"] == 80, service
+    assert service["totals"]["batches"] >= 1, service
+    assert facts["after_service"] == {table: True for table in facts["silver"]}, facts["after_service"]
 
 
 def test_a_connect_target_with_no_server_names_the_address_and_the_remedy(tmp_path):

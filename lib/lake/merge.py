@@ -142,19 +142,41 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
 def batches(query) -> list[dict]:
     """A merge query's batches: the records its foreachBatch function kept in this process, or where that function
     ran in another (a Spark Connect server), Spark's progress reports (no per-table counts)."""
+    refresh(query)
+    return list(query.merge_context.history)
+
+
+def refresh(query) -> None:
+    """Over Spark Connect, bring the client's record of a merge query up to date from Spark's progress reports (its
+    foreachBatch function keeps its own records on the server): the batches with input rows (``input_rows``, no
+    per-table counts) in ``ctx.history``, and whether a batch runs now in ``ctx.active``. Nothing to do locally."""
     ctx = query.merge_context
-    if ctx.history or not spark_session.is_remote(ctx.session):
-        return list(ctx.history)
-    return [{"batch_id": p.batchId, "tables": {}, "input_rows": p.numInputRows,
-             "seconds": round((p.durationMs or {}).get("triggerExecution", 0) / 1000, 2)}
-            for p in query.recentProgress if p.numInputRows]
+    if not spark_session.is_remote(ctx.session):
+        return
+    known = {b["batch_id"] for b in ctx.history}
+    found = [{"batch_id": p.batchId, "tables": {}, "input_rows": p.numInputRows,
+              "seconds": round((p.durationMs or {}).get("triggerExecution", 0) / 1000, 2)}
+             for p in query.recentProgress if p.numInputRows and p.batchId not in known]
+    ctx.history = (ctx.history + found)[-100:]
+    try:
+        ctx.active = bool(query.status["isTriggerActive"])
+    except Exception:  # noqa: BLE001 - the query just ended
+        ctx.active = False
+
+
+def kafka_metrics_bug(exc: BaseException) -> bool:
+    """True when Spark 4.1.1's Kafka source stopped a query computing its metrics after a batch it had committed
+    (SPARK-55271): starting the query again loses nothing."""
+    text = str(exc)
+    trace = getattr(exc, "_stackTrace", None) or ""  # PySpark's captured JVM stack (str() has it only when enabled)
+    return "NullPointerException" in text and "KafkaMicroBatchStream" in f"{text}\n{trace}" \
+        and ".metrics" in f"{text}\n{trace}"
 
 
 def restart_reason(exc: BaseException, batches: int) -> str:
     """One line on why Spark stopped a query that had run batches, and that it is started again."""
     text = str(exc)
-    trace = getattr(exc, "_stackTrace", None) or ""  # PySpark's captured JVM stack (str() has it only when enabled)
-    if "NullPointerException" in text and "KafkaMicroBatchStream.metrics" in f"{text}\n{trace}":
+    if kafka_metrics_bug(exc):
         return ("Spark 4.1.1's Kafka source failed to report progress after re-running the micro-batch an unclean "
                 "stop had left uncommitted (SPARK-55271); Spark had committed that batch first, so nothing is lost: "
                 "starting the query again from the checkpoint")
@@ -199,8 +221,8 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, s
                     f"merge query {name} stopped in micro-batch {batch_id}: {type(cause).__name__}: {cause}. The "
                     f"checkpoint {lake_paths.checkpoint_path(conf, name)} keeps the batch; fix the cause and run again "
                     f"(the batch is retried, its Delta commits are idempotent)") from cause
-            if not ctx.history or attempt == attempts:
-                raise
+            if not (ctx.history or kafka_metrics_bug(exc)) or attempt == attempts:  # over Connect the batches'
+                raise  # records stay on the server: Spark's bug is known by its message
             log.warning("merge query %s: %s (attempt %s of %s)", name, restart_reason(exc, len(ctx.history)),
                         attempt + 1, attempts)
         finally:

@@ -97,9 +97,12 @@ class BatchFunction:
     query: str
     checkpoint: str
     retired: frozenset = frozenset()
+    root: str = str(config.PROJECT_ROOT)  # where conf's relative paths (lake.root) resolve: the client's project
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         key = (self.query, self.checkpoint)
+        if not config.PROJECT_ROOT.is_dir():  # lib came from the carried archive, not from a project folder
+            config.use_project_root(self.root)
         if key not in _CONTEXTS:
             _CONTEXTS[key] = context(self.conf, self.query)
             _CONTEXTS[key].checkpoint, _CONTEXTS[key].retired = self.checkpoint, self.retired

@@ -32,6 +32,7 @@ from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
 from lib import config, source
+from lib import spark as spark_session
 from lib.capture import avro_schemas, catalog, pgtypes
 from lib.lake import delta_io, lake_paths
 from lib.lake.lake_paths import META_COLUMNS, MergeError, quote
@@ -91,7 +92,8 @@ def _source_frame(spark: SparkSession, conn, table: catalog.Table, fields: list[
                 chunk = [tuple(fn(value) for fn, value in zip(convert, row, strict=True)) for row in rows]
             except ValueError as exc:
                 raise MergeError(f"reconcile {table.qualified}: {exc}") from exc
-            part = spark.createDataFrame(chunk, schema, verifySchema=False)
+            part = spark.createDataFrame(chunk, schema) if spark_session.is_remote(spark) else \
+                spark.createDataFrame(chunk, schema, verifySchema=False)  # Connect has no such option (it warns)
             if frame is None and len(rows) < chunk_rows:
                 return part  # one chunk: no staging
             part.write.mode("append" if staged else "overwrite").parquet(staging)

@@ -204,8 +204,7 @@ def delete_prefix(conf: dict, prefix: str) -> list[str]:
     registry = schema_registry.client(conf)
     named = {s for t in doomed for s in schema_registry.subjects(t)}  # asked by name: the list below is paged
     for subject in sorted(named | {s for s in registry.get_subjects() if s.startswith(prefix)}):
-        if subject.startswith(prefix):
-            for permanent in (False, True):
-                with contextlib.suppress(Exception):
-                    registry.delete_subject(subject, permanent=permanent)
+        for permanent in (False, True):
+            with contextlib.suppress(Exception):
+                registry.delete_subject(subject, permanent=permanent)
     return doomed

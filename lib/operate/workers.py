@@ -154,6 +154,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                         query.awaitTermination(1)
                     except StreamingQueryException:
                         break
+                    merge.refresh(query)  # over Spark Connect: its batches from Spark's progress (else nothing)
                     if time.monotonic() - last >= every:
                         last = time.monotonic()
                         metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record()})
@@ -213,8 +214,9 @@ class SilverCadence:
     def _pending_events(self) -> int:
         """Events the bronze query logged since the last step began (its batches' counts)."""
         history = list(self.ctx.history) if self.ctx is not None else []
-        return sum(int(c.get("events", 0)) + int(c.get("tombstones", 0))
-                   for b in history if b["batch_id"] > self.done_batches for c in b["tables"].values())
+        return sum(sum(int(c.get("events", 0)) + int(c.get("tombstones", 0)) for c in b["tables"].values())
+                   if b["tables"] else int(b.get("input_rows", 0))  # over Spark Connect: the batch's Kafka records
+                   for b in history if b["batch_id"] > self.done_batches)
 
     def _run(self) -> None:
         from lib.lake import silver_step
