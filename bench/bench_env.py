@@ -83,7 +83,7 @@ def isolated(tables: list[str] | None = None, extra: dict | None = None, schema_
                  "CDC__SOURCE__PUBLICATION": database, "CDC__KAFKA__TOPIC_PREFIX": f"bench-{run}", **(extra or {})}
     if tables:
         overrides["CDC__SOURCE__TABLES"] = "[" + ", ".join(tables) + "]"
-    conf = config.apply_overrides(config.load("local"), overrides)
+    conf = config.apply_overrides(config.load(None), overrides)  # CDC_TARGET (default local): also a cluster or Connect
     conf["env"] = overrides
     conf["bench_prefix"] = f"bench-{run}"
     conf.setdefault("spark", {}).setdefault("settings", {})["spark.ui.showConsoleProgress"] = "false"

@@ -164,7 +164,7 @@ def breakdown(conf: dict, spark, log, reader: str) -> dict:
         try:
             plan = snapshot_read.plan_partitions(planner, table, int(config.get(conf, "snapshot.partition_rows")),
                                                  int(config.get(conf, "snapshot.max_partitions")),
-                                                 spark.sparkContext.defaultParallelism, by_blocks=reader == "copy")
+                                                 spark_session.cores(spark) or 2, by_blocks=reader == "copy")
         finally:
             planner.close()
         out["rows"], out["partitions"], out["reader"] = plan["rows"], plan["partitions"], reader
@@ -276,7 +276,8 @@ def main(argv=None) -> None:
         counts = load(conf, args.rows, log)
         tables, total = list(counts), sum(counts.values())
         spark = spark_session.from_conf(conf)
-        spark.sparkContext.setLogLevel("ERROR")
+        if not spark_session.is_remote(spark):  # a Spark Connect session has no SparkContext
+            spark.sparkContext.setLogLevel("ERROR")
         rounds = []
         for i in range(1, args.rounds + 1):
             cpu = bench_env.cpu_seconds(conf)

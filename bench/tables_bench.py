@@ -259,7 +259,8 @@ def main(argv=None) -> None:
     names = table_names(args.small)
     try:
         spark = spark_session.from_conf(conf, catalog="in-memory")
-        spark.sparkContext.setLogLevel("ERROR")
+        if not spark_session.is_remote(spark):  # a Spark Connect session has no SparkContext
+            spark.sparkContext.setLogLevel("ERROR")
         began = time.monotonic()
         done = snapshot.run(conf, spark, log=lambda line: None)
         log(f"snapshot: {done['rows']:,} rows in {time.monotonic() - began:.1f} s")
