@@ -409,10 +409,15 @@ def carrying(function):
 
 
 def cores(spark: SparkSession) -> int | None:
-    """Spark's default parallelism (the cores it runs tasks on); None where the session hides it (Spark Connect)."""
+    """Spark's default parallelism (the cores it runs tasks on); over Spark Connect, which hides it, the session's
+    spark.sql.shuffle.partitions when it is a number; else None."""
     try:
         return max(1, int(spark.sparkContext.defaultParallelism))
     except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
+        pass
+    try:
+        return max(1, int(spark.conf.get("spark.sql.shuffle.partitions")))
+    except Exception:  # noqa: BLE001 - "auto" (Databricks) or unreadable
         return None
 
 
