@@ -64,10 +64,14 @@ def percentiles(values: list[float]) -> dict:
             "mean": statistics.fmean(values)}
 
 
+def table_names(n: int) -> list[str]:
+    """fresh.t01 ... fresh.t<n>, the tables schema_sql makes."""
+    return [f"fresh.t{i:02d}" for i in range(1, n + 1)]
+
+
 def isolated(folder: str, n: int) -> dict:
     """conf of a database of its own with n tables fresh.t01 ... (schema_sql), its lake and services in folder."""
-    tables = [f"fresh.t{i:02d}" for i in range(1, n + 1)]
-    return bench_env.isolated(tables, {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
+    return bench_env.isolated(table_names(n), {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
                                        "CDC__SERVICE__DIR": os.path.join(folder, "services")},
                               schema_sql=schema_sql(n), schemas=("fresh",))
 
@@ -88,7 +92,7 @@ def start_pipeline(conf: dict, folder: str):
 def run(n: int, args, log) -> dict:
     """One measurement with n tables; everything it made is removed at the end."""
     folder = tempfile.mkdtemp(prefix="cdc-fresh-bench-")
-    tables = [f"fresh.t{i:02d}" for i in range(1, n + 1)]
+    tables = table_names(n)
     conf = isolated(folder, n)
     spark = None
     try:

@@ -88,7 +88,7 @@ def sample(conf: dict, spark, view: str, policy: dict, since_record: int, cpu_be
 
 def run(args, log) -> dict:
     folder = tempfile.mkdtemp(prefix="cdc-soak-bench-")
-    tables = [f"fresh.t{i:02d}" for i in range(1, args.tables + 1)]
+    tables = freshness_bench.table_names(args.tables)
     conf = freshness_bench.isolated(folder, args.tables)
     spark, stop, counts, samples = None, threading.Event(), {"transactions": 0}, []
     try:

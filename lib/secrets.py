@@ -16,7 +16,10 @@ from pathlib import Path
 
 from lib import config
 
-SECRETS_FILE = config.CONF_DIR / "secrets.env"
+
+def env_file() -> Path:
+    """conf/secrets.env of the project (config.use_project_root moves it with the project's root)."""
+    return config.CONF_DIR / "secrets.env"
 
 
 class SecretError(LookupError):
@@ -62,8 +65,7 @@ def resolve(ref, setting: str = "a setting", environ=None, secrets_file: Path | 
             dbutils=None) -> str:
     """The secret value behind ref; the error names the setting, reference and where it looked."""
     environ = os.environ if environ is None else environ
-    secrets_file = config.CONF_DIR / "secrets.env" if secrets_file is None else secrets_file  # SECRETS_FILE, or
-    # where config.use_project_root moved it
+    secrets_file = env_file() if secrets_file is None else secrets_file
     if not is_reference(ref):
         raise SecretError(
             f"{setting} must be a secret reference ({{env: NAME}} or {{scope: S, key: K}}), "

@@ -213,7 +213,7 @@ def test_no_literal_secret():
                 walk(value, f"{where}[{i}]")
 
     walk(BUNDLE)
-    for value in secrets.read_env_file(secrets.SECRETS_FILE).values():
+    for value in secrets.read_env_file(secrets.env_file()).values():
         assert not value or value not in TEXT, "a local secret value appears in bundle.yml"
     conf = config.load("databricks", conf_dir=ROOT / "conf", environ={})
     for dotted in ("source.password", "source.admin_password", "masking.salt", "kafka.sasl_password"):

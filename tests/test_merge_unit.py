@@ -597,3 +597,8 @@ def test_a_restart_after_sparks_known_kafka_metrics_failure_says_so_in_one_line(
     assert "SPARK-55271" in known and "nothing is lost" in known and "\n" not in known
     other = merge.restart_reason(RuntimeError("the broker went away\nmore"), 3)
     assert other == "stopped by Spark after 3 batch(es) (the broker went away); starting it again from the checkpoint"
+    over_connect = RuntimeError("[STREAM_FAILED] java.lang.NullPointerException: Cannot invoke ...\n"
+                                "\tat org.apache.spark.sql.kafka010.KafkaMicroBatchStream$.metrics("
+                                "KafkaMicroBatchStream.scala:520)")  # Spark Connect puts the JVM frames in the message
+    assert merge.kafka_metrics_bug(over_connect) and merge.kafka_metrics_bug(captured)
+    assert not merge.kafka_metrics_bug(RuntimeError("java.lang.NullPointerException in a user's metrics code"))

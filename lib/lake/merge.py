@@ -7,6 +7,7 @@ How it works and what it guarantees: docs/merge.md.
 from __future__ import annotations
 
 import logging
+import re
 
 from pyspark.sql import DataFrame, SparkSession
 
@@ -169,8 +170,8 @@ def kafka_metrics_bug(exc: BaseException) -> bool:
     (SPARK-55271): starting the query again loses nothing."""
     text = str(exc)
     trace = getattr(exc, "_stackTrace", None) or ""  # PySpark's captured JVM stack (str() has it only when enabled)
-    return "NullPointerException" in text and "KafkaMicroBatchStream" in f"{text}\n{trace}" \
-        and ".metrics" in f"{text}\n{trace}"
+    return "NullPointerException" in text and re.search(r"KafkaMicroBatchStream\$?\.metrics", f"{text}\n{trace}") \
+        is not None  # the Scala object's frame ($.metrics) as Spark Connect reports it, or the class's
 
 
 def restart_reason(exc: BaseException, batches: int) -> str:

@@ -101,9 +101,9 @@ class BatchFunction:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         key = (self.query, self.checkpoint)
-        if not config.PROJECT_ROOT.is_dir():  # lib came from the carried archive, not from a project folder
-            config.use_project_root(self.root)
         if key not in _CONTEXTS:
+            if not config.PROJECT_ROOT.is_dir():  # lib came from the carried archive, not from a project folder
+                config.use_project_root(self.root)
             _CONTEXTS[key] = context(self.conf, self.query)
             _CONTEXTS[key].checkpoint, _CONTEXTS[key].retired = self.checkpoint, self.retired
         process_batch(batch, batch_id, _CONTEXTS[key])

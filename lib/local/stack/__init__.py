@@ -50,7 +50,7 @@ def ensure_local_secrets(conf: dict, environ=None, path: Path | None = None, log
     import os
 
     environ = os.environ if environ is None else environ
-    path = secrets.SECRETS_FILE if path is None else path
+    path = secrets.env_file() if path is None else path
     known = secrets.read_env_file(path)
     missing = [name for name in dict.fromkeys(env_references(conf))
                if not environ.get(name) and not known.get(name)]
