@@ -10,7 +10,9 @@ database, snapshots it into Kafka, then in one Spark driver:
 - **micro-batch**: calls the merge's foreachBatch function (``micro_batch.process_batch``) on a batch
   read of the last ``--per-table`` records of 1 table and of every table, ``--reps`` times each, and
   prints each batch's phases (read, control, plan, decode, append). The first batch of a process builds
-  the decode plans; later ones reuse them.
+  the decode plans; later ones reuse them;
+- **raw** (``--raw``): after each such batch, the same records appended to a Delta table as they come from Kafka
+  (bytes, schema ids, coordinates; no decode): what a trigger that leaves the decode to a later step would pay.
 
 Everything it made (database, slot, topics, lake) is removed at the end.
 """
@@ -28,10 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 import tables_bench  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 
 from lib import spark as spark_session  # noqa: E402
 from lib.capture import snapshot  # noqa: E402
-from lib.lake import lake_paths, merge, micro_batch  # noqa: E402
+from lib.lake import decode, lake_paths, merge, micro_batch  # noqa: E402
 
 DEFAULT_WAIT = {"kafka.fetch.max.wait.ms": "500"}  # Kafka's own default
 
@@ -69,8 +72,26 @@ def time_reads(conf: dict, spark, reps: int, log) -> dict:
     return seconds
 
 
-def time_batches(conf: dict, spark, tables: int, per_table: int, reps: int, log) -> list[dict]:
-    """process_batch on the last per_table records of the first `tables` tables, reps times."""
+def raw_append(spark, frame, path: str, batch_id: int) -> dict:
+    """The batch's Kafka records appended to a Delta table undecoded, as a trigger without decode would: seconds."""
+    began = time.monotonic()
+    cores = spark_session.cores(spark)
+    raw = decode.headers(frame.coalesce(cores) if cores else frame).persist()
+    try:
+        raw.groupBy("topic").agg(F.collect_set("__vid"), F.collect_set("__kid")).collect()  # as process_batch asks
+        read = time.monotonic()
+        raw.select("topic", "partition", "offset", "timestamp", "__k", "__v", "__kid", "__vid", "__tlsn",
+                   "__tserial", F.lit(batch_id).cast("long").alias("batch")) \
+            .write.format("delta").mode("append").option("userMetadata", json.dumps({"batch": batch_id})).save(path)
+        return {"raw_read": round(read - began, 2), "raw_append": round(time.monotonic() - read, 2),
+                "raw_seconds": round(time.monotonic() - began, 2)}
+    finally:
+        raw.unpersist()
+
+
+def time_batches(conf: dict, spark, tables: int, per_table: int, reps: int, log,
+                 raw_path: str | None = None) -> list[dict]:
+    """process_batch on the last per_table records of the first `tables` tables, reps times (and undecoded)."""
     specs = lake_paths.table_specs(conf)[:tables]
     ends = bench_env.topic_ends(conf, [s.topic for s in specs])
     parts = {t: len(p) for t, p in ends.items()}
@@ -85,6 +106,10 @@ def time_batches(conf: dict, spark, tables: int, per_table: int, reps: int, log)
         rows.append({"tables": tables, "rep": rep, "seconds": round(time.monotonic() - began, 2), "events": events,
                      **stats["phases"]})
         log(f"micro-batch of {tables} table(s), {events:,} events: {rows[-1]['seconds']} s {stats['phases']}")
+        if raw_path:
+            frame = reader(spark, kafka_options(conf, specs, starts, ends)).load()
+            rows[-1].update(raw_append(spark, frame, raw_path, 1000 * tables + rep))
+            log(f"  the same records undecoded: {rows[-1]['raw_seconds']} s")
     return rows
 
 
@@ -93,6 +118,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", type=int, default=50, help="small tables (1,000 rows each)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--per-table", type=int, default=400, help="records per table in a micro-batch")
+    parser.add_argument("--raw", action="store_true", help="also append each batch's records undecoded")
     args = parser.parse_args(argv)
     load_before = bench_env.machine()
     print(f"machine: {load_before}")
@@ -103,19 +129,22 @@ def main(argv=None) -> None:
         spark = spark_session.from_conf(conf, catalog="in-memory")
         snapshot.run(conf, spark, log=lambda line: None)
         reads = time_reads(conf, spark, args.reps, print)
-        batches = time_batches(conf, spark, 1, 1000, args.reps, print)
-        batches += time_batches(conf, spark, args.small + 1, args.per_table, args.reps, print)
+        raw_path = f"{folder}/raw" if args.raw else None
+        batches = time_batches(conf, spark, 1, 1000, args.reps, print, raw_path)
+        batches += time_batches(conf, spark, args.small + 1, args.per_table, args.reps, print, raw_path)
     finally:
         bench_env.finish(conf, folder, spark, log=print)
     print(f"\nmachine before: {load_before}; after: {bench_env.machine()}\n")
     print("| Kafka fetch wait | seconds to count every table topic |\n|---|---|")
     for label, values in reads.items():
         print(f"| {label} | {', '.join(f'{v} s' for v in values)} |")
-    print("\n| tables | batch | events | seconds | read | control | plan | decode | append |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| tables | batch | events | seconds | read | control | plan | decode | append | undecoded: seconds "
+          "(read / append) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in batches:
+        undecoded = f"{row['raw_seconds']} ({row['raw_read']} / {row['raw_append']})" if "raw_seconds" in row else ""
         print(f"| {row['tables']} | {row['rep']} | {row['events']:,} | {row['seconds']} | {row.get('read')} | "
-              f"{row.get('control')} | {row.get('plan')} | {row.get('decode')} | {row.get('append')} |")
+              f"{row.get('control')} | {row.get('plan')} | {row.get('decode')} | {row.get('append')} | {undecoded} |")
 
 
 if __name__ == "__main__":
