@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+INJECTED = "CDC_INJECTED_PARAMETERS"  # set by lib.operate.notebook_task: the parameters are in the namespace already
+
 
 def on_databricks() -> bool:
     """True inside a Databricks runtime."""
@@ -47,8 +49,9 @@ def convert(text: str, default):
 
 
 def params(**defaults) -> dict:
-    """Notebook parameters: papermill injects them locally; on Databricks they come as widgets."""
-    utils = dbutils()
+    """Notebook parameters: papermill (or lib.operate.notebook_task) injects them; in a Databricks notebook they come
+    as widgets."""
+    utils = None if os.environ.get(INJECTED) else dbutils()
     if utils is None:
         return dict(defaults)
     values = {}

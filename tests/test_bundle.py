@@ -16,7 +16,7 @@ import yaml
 from databricks.bundles.jobs import Job
 
 from lib import config, runtime, secrets
-from lib.operate import metrics, service
+from lib.operate import metrics, notebook_task, service
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = yaml.safe_load((ROOT / "bundle.yml").read_text())
@@ -121,7 +121,7 @@ def test_each_target_picks_an_existing_conf(target):
 
 def test_every_cluster_finds_the_synced_conf():
     for name, job in jobs().items():
-        for cluster in job["job_clusters"]:
+        for cluster in job.get("job_clusters") or []:
             env = cluster["new_cluster"]["spark_env_vars"]
             assert env["CDC_CONF_DIR"] == "/Workspace${workspace.file_path}/conf", (name, env)
             assert env["CDC_TARGET"] == "${var.conf_target}", (name, env)
@@ -166,7 +166,7 @@ def test_libraries_are_the_wheel_and_pinned_pypi_packages():
     needed = {re.split(r"[\[=<>]", d)[0].lower() for d in
               tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
     for name, job in jobs().items():
-        for step in tasks(job):
+        for step in [t for t in tasks(job) if "job_cluster_key" in t]:  # serverless: the job's environment, below
             libraries = step.get("libraries") or []
             assert {"whl": "./dist/*.whl"} in libraries, (name, step["task_key"])
             pypi = [lib["pypi"]["package"] for lib in libraries if "pypi" in lib]
@@ -219,3 +219,60 @@ def test_no_literal_secret():
     for dotted in ("source.password", "source.admin_password", "masking.salt", "kafka.sasl_password"):
         ref = config.get(conf, dotted)
         assert secrets.is_reference(ref) and "scope" in ref, f"conf/databricks.yml {dotted} must be {{scope, key}}"
+
+
+def test_the_serverless_job_runs_the_same_notebooks_01_to_05_as_wheel_tasks():
+    job = jobs()["cdc_notebooks_serverless"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not job.get("job_clusters") and "continuous" not in job
+    environments = {e["environment_key"] for e in job["environments"]}
+    steps = tasks(job)
+    assert [t["task_key"] for t in steps] == [key for key, _ in CHAIN]
+    for i, (step, (_, stem)) in enumerate(zip(steps, CHAIN, strict=True)):
+        assert "job_cluster_key" not in step and "new_cluster" not in step and not step.get("libraries")
+        assert step["environment_key"] in environments, step["task_key"]
+        wanted = [] if i == 0 else [{"task_key": steps[i - 1]["task_key"]}]
+        assert step.get("depends_on", []) == wanted, step["task_key"]
+        wheel = step["python_wheel_task"]
+        assert wheel["package_name"] == project["name"].replace("-", "_")
+        assert project["scripts"][wheel["entry_point"]] == "lib.operate.notebook_task:main"
+        args = notebook_task.parser().parse_args(wheel["parameters"])
+        assert args.conf_dir == "/Workspace${workspace.file_path}/conf"
+        assert args.notebook == f"/Workspace${{workspace.file_path}}/notebooks/{stem}.ipynb"
+        defaults = notebook_parameters(ROOT / "notebooks" / f"{stem}.ipynb")
+        given = dict(item.split("=", 1) for item in args.param)
+        assert given.get("target") == "${var.serverless_conf_target}", stem
+        assert set(given) <= set(defaults), f"{stem}: {set(given) - set(defaults)} not in its parameters cell"
+        for name, value in given.items():  # each arrives as text and must parse as the default's type
+            if "${" not in value:
+                runtime.convert(value, defaults[name])
+        if stem == "04_merge_into_delta":  # serverless streams with availableNow triggers only
+            assert runtime.convert(given["continuous"], True) is False
+
+
+def test_the_serverless_environment_is_the_wheel_and_the_pinned_pypi_packages():
+    pins = requirement_pins()
+    needed = {re.split(r"[\[=<>]", d)[0].lower() for d in
+              tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    cluster_pypi = [lib["pypi"]["package"] for lib in tasks(jobs()["cdc_notebooks"])[0]["libraries"] if "pypi" in lib]
+    (environment,) = jobs()["cdc_notebooks_serverless"]["environments"]
+    wheel, *pypi = environment["spec"]["dependencies"]
+    assert wheel == "./dist/*.whl" and pypi == cluster_pypi  # the same libraries as on the job cluster
+    for package in pypi:
+        assert pins.get(re.split(r"[\[=<>]", package)[0].lower()) == package, f"{package} is not pinned so"
+    assert needed <= {re.split(r"[\[=<>]", p)[0].lower() for p in pypi}
+    assert str(variables("prod")["serverless_environment_version"]).isdigit()
+
+
+def test_the_serverless_conf_extends_databricks_with_the_copy_reader():
+    chosen = variables("prod")["serverless_conf_target"]
+    conf = config.load(chosen, conf_dir=ROOT / "conf", environ={})
+    base = config.load("databricks", conf_dir=ROOT / "conf", environ={})
+    assert config.get(conf, "snapshot.reader") == "copy" and config.get(base, "snapshot.reader") == "jdbc"
+    assert conf["source"]["tables"] == base["source"]["tables"] and conf["kafka"] == base["kafka"]
+
+
+def test_the_continuous_merge_stays_on_a_cluster_and_says_why():
+    assert jobs()["cdc_merge"]["job_clusters"]
+    comment = TEXT[:TEXT.index("    cdc_merge:")].rsplit("\n\n", 1)[-1]
+    assert "availableNow" in comment and "processing-time" in comment

@@ -6,7 +6,7 @@ import nbformat
 import pytest
 
 from lib import config, runtime
-from lib.operate import jobs
+from lib.operate import jobs, notebook_task
 
 
 class Widgets:
@@ -71,3 +71,35 @@ def test_job_runs_notebooks_in_order_keeps_executed_copies_and_stops_at_a_failur
     assert results[0]["output"].parent.parent == tmp_path / "runs"
     assert not (results[0]["output"].parent / "03_never.ipynb").exists()
     assert config.load("local", environ={})["jobs"]["runs_dir"] == "runs"
+
+
+def _notebook(path, *cells) -> str:
+    """A notebook of code cells; the first one tagged 'parameters'."""
+    book = nbformat.v4.new_notebook()
+    book.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    book.cells[0].metadata["tags"] = ["parameters"]
+    nbformat.write(book, str(path))
+    return str(path)
+
+
+def test_a_notebook_runs_as_a_task_with_its_parameters_typed_like_their_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "16.4")  # as on serverless: no widgets to ask, though
+    monkeypatch.setattr(runtime, "dbutils", lambda: pytest.fail("a wheel task has no widgets"))
+    monkeypatch.setenv(runtime.INJECTED, "")  # run() sets it; monkeypatch takes it away again afterwards
+    path = _notebook(tmp_path / "t.ipynb", "n = 1\nflag = False\nname = 'x'",
+                     "from lib import runtime\np = runtime.params(n=n, flag=flag, name=name)",
+                     "result = p['n'] * 2 if p['flag'] else -1")
+    done = notebook_task.run(path, {"n": "21", "flag": "true"}, log=lambda line: None)
+    assert (done["result"], done["p"]) == (42, {"n": 21, "flag": True, "name": "x"})
+
+
+def test_a_notebook_task_names_an_unknown_parameter_a_bad_value_and_the_failing_cell(tmp_path, monkeypatch):
+    monkeypatch.setenv(runtime.INJECTED, "")
+    path = _notebook(tmp_path / "t.ipynb", "n = 1", "x = 1", "y = 1 / (n - 1)")
+    with pytest.raises(notebook_task.NotebookTaskError, match=r"t.ipynb declares no parameter rows \(its parameters "
+                                                              r"cell has n\)"):
+        notebook_task.run(path, {"rows": "5"}, log=lambda line: None)
+    with pytest.raises(notebook_task.NotebookTaskError, match=r"t.ipynb: parameter n='many'"):
+        notebook_task.run(path, {"n": "many"}, log=lambda line: None)
+    with pytest.raises(notebook_task.NotebookTaskError, match=r"t.ipynb: code cell 3 failed: ZeroDivisionError"):
+        notebook_task.run(path, {}, log=lambda line: None)
