@@ -232,7 +232,9 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     """
     remote = config.get(conf, "spark.remote")
     if remote and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
-        return remote_session(remote, dict(config.get(conf, "spark.settings") or {}))
+        spark = remote_session(remote, dict(config.get(conf, "spark.settings") or {}))
+        check_reach(spark, task_endpoints(conf))
+        return spark
     settings = resolve_locations(dict(config.get(with_lake_metastore(conf), "spark.settings") or {}))
     if catalog is not None:
         if catalog not in ("hive", "in-memory"):
@@ -251,7 +253,43 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     if master.startswith("spark://") and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         require_master(spark, master)
         ship_project(spark)
+        check_reach(spark, task_endpoints(conf))
     return spark
+
+
+def task_endpoints(conf: dict) -> dict[str, list[str]]:
+    """The host:port addresses Spark's tasks connect to, by the setting that names them: Kafka's brokers, PostgreSQL."""
+    brokers = [b.strip() for b in str(config.get(conf, "kafka.bootstrap_servers") or "").split(",") if b.strip()]
+    return {"kafka.bootstrap_servers": brokers,
+            "source.host/source.port": [f"{config.get(conf, 'source.host')}:{config.get(conf, 'source.port')}"]}
+
+
+def check_reach(spark, endpoints: dict[str, list[str]], timeout_s: float = 5.0) -> None:
+    """Fail, naming the worker's host, the address and its setting, when Spark's workers cannot open a TCP connection
+    to an address their tasks use; the driver reaching it proves nothing for executors on other hosts."""
+    from pyspark.sql import functions as F
+
+    def attempt(_):
+        import socket as worker_socket
+
+        failed = []
+        for setting, addresses in endpoints.items():
+            for address in addresses:
+                host, _, port = address.rpartition(":")
+                try:
+                    worker_socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+                except (OSError, ValueError) as exc:
+                    failed.append(f"{setting} {address} from {worker_socket.gethostname()}: "
+                                  f"{getattr(exc, 'strerror', None) or exc}")
+        return "; ".join(failed)
+
+    tasks = cores(spark) or 2
+    found = {row[0] for row in spark.range(0, tasks, 1, tasks).select(F.udf(attempt, "string")("id")).collect()
+             if row[0]}
+    if found:
+        raise TargetError(f"Spark's workers cannot reach what their tasks read or write: {'; '.join(sorted(found))}. "
+                          f"Give the executors a route to these addresses (firewall rules, security groups); Kafka's "
+                          f"advertised listeners must be addresses the executors resolve and reach")
 
 
 def is_remote(spark) -> bool:

@@ -89,7 +89,41 @@ def run(target: str) -> dict:
     facts["fresh"] = {r["table"]: r["equal"] for r in reconcile.reconcile(conf, spark, against=fresh)}
     facts["service"] = continuous(conf, spark)
     facts["after_service"] = {r["table"]: r["equal"] for r in reconcile.reconcile(conf, spark)}
+    facts["one_run"] = one_query_per_checkpoint(conf, spark)
+    facts["drift"] = drift(conf, spark)
     return facts
+
+
+def one_query_per_checkpoint(conf: dict, spark) -> dict:
+    """The merge query started again from a second session while the first runs (a service restarted while its
+    query still ran on the server): Spark stops the first run, and stopping the second leaves no run behind."""
+    from pyspark.sql import SparkSession
+
+    other = SparkSession.builder.remote(config.get(conf, "spark.remote")).create() if spark_lib.is_remote(spark) \
+        else spark.newSession()
+    first = merge.start(conf, spark, "processing_time", "2 seconds")
+    second = merge.start(conf, other, "processing_time", "2 seconds")
+    found = {"first_active": first.isActive, "second_active": second.isActive, "name": merge.query_name(conf),
+             "active": sorted(q.name for q in other.streams.active)}
+    second.stop()
+    found["after_stop"] = sorted(q.name for session in (spark, other) for q in session.streams.active)
+    if spark_lib.is_remote(other):  # released here: a Connect session closed by the garbage collector while
+        other.stop()                # another call runs can deadlock pyspark 4.1.1's client (its reattach pool)
+    return found
+
+
+def drift(conf: dict, spark) -> list[dict]:
+    """One value changed at the source behind the pipeline's back: what reconcile says about it."""
+    conn = source.connect(conf, admin=True)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("UPDATE bank.branches SET city = city || ' (moved)' WHERE branch_code = "
+                        "(SELECT min(branch_code) FROM bank.branches) RETURNING branch_code")
+            code = cur.fetchone()[0]
+        conn.commit()
+    finally:
+        conn.close()
+    return [{"expected": code}] + reconcile.reconcile(conf, spark, tables=["bank.branches"])[0]["differences"]
 
 
 if __name__ == "__main__":

@@ -21,11 +21,20 @@ def describe(target: str, folder: str) -> dict:
     remote = spark_lib.is_remote(spark)
     facts = {"remote": remote, "master": spark.conf.get("spark.master"),
              "workers_lib": spark_lib.ship_project(spark),
-             "delta_rows": delta_round(spark, f"{folder}/t")}
+             "delta_rows": delta_round(spark, f"{folder}/t"), "unreachable": unreachable(spark)}
     if not remote:
         facts["executors"] = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1
     spark.stop()
     return facts
+
+
+def unreachable(spark) -> str:
+    """What the workers' reach check says about an address nothing listens at (from_conf checked conf's already)."""
+    try:
+        spark_lib.check_reach(spark, {"kafka.bootstrap_servers": ["127.0.0.1:9"]}, timeout_s=2)
+    except spark_lib.TargetError as exc:
+        return str(exc)
+    return "no error"
 
 
 def delta_round(spark, path: str) -> int:

@@ -165,7 +165,8 @@ def test_crash_mid_backlog_then_restart_gives_exact_silver(stream_conf, source_c
                     "DELETE FROM mstream.accounts WHERE id = 8")
     result = reconcile.reconcile(conf, spark, conn=source_conn)[0]
     assert not result["equal"] and (result["source_rows"], result["silver_rows"]) == (39, 40)
-    assert result["differences"] == [{"id": 7, "kind": "different"}, {"id": 8, "kind": "extra_in_silver"}]
+    assert result["differences"] == [{"id": 7, "kind": "different", "columns": ["note"]},
+                                    {"id": 8, "kind": "extra_in_silver"}]
 
 
 @pytest.mark.parametrize("cut", ["before its commit", "after its commit"])

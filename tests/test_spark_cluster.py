@@ -108,6 +108,7 @@ def test_the_cluster_target_runs_on_the_master_with_lib_shipped_to_its_executors
     assert version == f"{sys.version_info[0]}.{sys.version_info[1]}"
     assert "cdc_lib_" in where and not where.startswith(str(config.PROJECT_ROOT / "lib")), where  # the shipped zip
     assert facts["delta_rows"] == 1000
+    assert_unreachable_named(facts["unreachable"])
 
 
 def test_the_connect_target_is_remote_with_delta_and_lib_shipped_to_the_server(cluster, tmp_path):
@@ -115,6 +116,14 @@ def test_the_connect_target_is_remote_with_delta_and_lib_shipped_to_the_server(c
     assert facts["remote"] is True and facts["master"] == spark_cluster.master_url(cluster[0])
     assert "cdc_lib_" in facts["workers_lib"], facts
     assert facts["delta_rows"] == 1000
+    assert_unreachable_named(facts["unreachable"])
+
+
+def assert_unreachable_named(message: str) -> None:
+    """An address the executors cannot reach is named with its setting, the worker's host and the remedy."""
+    assert message.startswith("Spark's workers cannot reach what their tasks read or write: kafka.bootstrap_servers "
+                              "127.0.0.1:9 from "), message
+    assert "Connection refused" in message and "Give the executors a route" in message, message
 
 
 def _pipeline(cluster, target: str, folder) -> dict:
@@ -152,6 +161,11 @@ def test_the_notebooks_job_a_write_load_and_the_continuous_merge_end_exact_on_th
     assert "error" not in service and service["load"]["transactions"] == 80, service
     assert service["totals"]["batches"] >= 1, service
     assert facts["after_service"] == {table: True for table in facts["silver"]}, facts["after_service"]
+    name = facts["one_run"]["name"]
+    assert facts["one_run"] == {"first_active": False, "second_active": True, "name": name, "active": [name],
+                                "after_stop": []}, facts["one_run"]  # one run per checkpoint, stopped by name
+    expected, *differences = facts["drift"]  # reconcile reads the source on the executors, names the changed column
+    assert differences == [{"branch_code": expected["expected"], "kind": "different", "columns": ["city"]}]
 
 
 def test_a_connect_target_with_no_server_names_the_address_and_the_remedy(tmp_path):

@@ -271,12 +271,15 @@ def jdbc_options(conf: dict, snapshot_name: str) -> dict[str, str]:
 
 
 def read_table(conf: dict, spark, table: catalog.Table, snapshot_name: str, plan: dict,
-               unknown_types: str = "error"):
-    """A DataFrame of the table as of the snapshot: one column per Value field, typed for to_avro."""
+               unknown_types: str = "error", login: dict | None = None):
+    """A DataFrame of the table as of the snapshot: one column per Value field, typed for to_avro.
+
+    ``login`` (JDBC options: url, user, password) replaces the pipeline role's for the JDBC reader."""
     query, fields = select_sql(table, unknown_types)
     if "ranges" in plan:
         return snapshot_copy.read_table(conf, spark, snapshot_name, plan, fields), fields
-    reader = spark.read.format("jdbc").options(**jdbc_options(conf, snapshot_name))
+    options = {**jdbc_options(conf, snapshot_name), **(login or {})}
+    reader = spark.read.format("jdbc").options(**options)
     reader = reader.option("dbtable", f"({query}) AS snapshot_rows")
     if "bounds" in plan:
         key_alias = next(f["alias"] for f in fields if f["column"] == table.primary_key[0])
@@ -284,7 +287,7 @@ def read_table(conf: dict, spark, table: catalog.Table, snapshot_name: str, plan
                   .option("upperBound", str(plan["bounds"][1])).option("numPartitions", str(plan["partitions"])))
         df = reader.load()
     elif "predicates" in plan:
-        properties = jdbc_options(conf, snapshot_name)
+        properties = dict(options)
         url = properties.pop("url")
         df = spark.read.jdbc(url, f"({query}) AS snapshot_rows", predicates=plan["predicates"],
                              properties=properties)

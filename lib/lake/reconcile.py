@@ -1,18 +1,20 @@
 """Reconcile silver with the source: row counts, an order-independent checksum and a sample of differing keys.
 
-For each table the source is read with psycopg2 on the driver (each value as its type's output
-function writes it, which is what pgoutput sends (a cast to text differs for bool, char(n), inet, ...),
-under ``pgtypes.SESSION_SETTINGS``, a server-side cursor read ``chunk_rows`` at a time, each value
-through ``pgtypes.converter`` exactly as the capture converts it), loaded into a Spark DataFrame (chunks
-beyond the first are staged as parquet under ``<lake.root>/_reconcile/<schema>/<table>``, so the
-driver holds one chunk at a time), and compared in Spark with silver's live rows
-(``_deleted = false``; the merge's ``_`` columns left out).
+The source is read where the data is, as the snapshot reads it: a driver connection exports a snapshot
+(``pg_export_snapshot``) and keeps it open while the executors read each table with the snapshot's reader
+(``snapshot.reader``: Spark's JDBC reader by key ranges, or COPY by block ranges; JDBC when a caller lends its own
+connection), every connection inside that one snapshot (``snapshot_read.read_table``, the snapshot's own SQL and
+conversions). Each row is then encoded with the table's Avro value schema and decoded again with it
+(``to_avro`` then ``from_avro``), which is what the pipeline does to every value between PostgreSQL and silver,
+and compared in Spark with silver's live rows (``_deleted = false``; the merge's ``_`` columns left out). Only
+counts, checksums and a sample of differing keys come back to the driver, however large the table.
 
 Both sides are put in one canonical form before hashing: dates as days since 1970-01-01,
 timestamps (with or without time zone) as microseconds since the epoch, everything else in the
-Spark type the merge gives the column. A row's hash is ``xxhash64`` over its columns; the table's
-checksum is the sum of the hashes, so row order does not matter. When counts or checksums differ,
-a full outer join on the primary key finds a sample of keys that are missing, extra or different.
+Spark type the merge gives the column. A row's hash is ``xxhash64`` over all its columns (none left out); the
+table's checksum is the sum of the hashes, so row order does not matter. When counts or checksums differ,
+a full outer join on the primary key finds a sample of keys that are missing, extra or different, and for a
+different row the columns that differ.
 
 Columns the source has but silver lacks (added in the source, no change since) are compared as
 null; columns only silver has (dropped in the source) are left out and listed.
@@ -20,20 +22,18 @@ null; columns only silver has (dropped in the source) are left out and listed.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import shutil
-import uuid
 
-from psycopg2 import sql
+import psycopg2
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
-from pyspark.sql.avro.functions import from_avro
+from pyspark.sql.avro.functions import from_avro, to_avro
 
-from lib import config, source
+from lib import config, schema_registry, source
 from lib import spark as spark_session
-from lib.capture import avro_schemas, catalog, pgtypes
+from lib.capture import avro_schemas, catalog, pgtypes, snapshot_read, snapshot_write
 from lib.lake import delta_io, lake_paths
 from lib.lake.lake_paths import META_COLUMNS, MergeError, quote
 
@@ -72,35 +72,28 @@ def source_types(spark: SparkSession, table: catalog.Table, conf: dict) -> T.Str
     return frame.schema["e"].dataType["after"].dataType
 
 
-def _source_frame(spark: SparkSession, conn, table: catalog.Table, fields: list[tuple[catalog.Column, str]],
-                  schema: T.StructType, staging: str, chunk_rows: int, unknown_types: str) -> DataFrame:
-    """The source table's rows in canonical form; staged as parquet when larger than one chunk."""
-    convert = [pgtypes.converter(col, unknown_types) for col, _ in fields]
-    query = sql.SQL("SELECT {} FROM {}.{}").format(
-        sql.SQL(", ").join(sql.SQL("CASE WHEN {0} IS NULL THEN NULL ELSE format('%s', {0}) END").format(
-            sql.Identifier(col.name)) for col, _ in fields),
-        sql.Identifier(table.schema), sql.Identifier(table.name))
-    frame, staged = None, False
-    with conn.cursor(name=f"reconcile_{uuid.uuid4().hex[:8]}") as cur:
-        cur.itersize = chunk_rows
-        cur.execute(query)
-        while True:
-            rows = cur.fetchmany(chunk_rows)
-            if not rows and frame is not None:
-                break
-            try:
-                chunk = [tuple(fn(value) for fn, value in zip(convert, row, strict=True)) for row in rows]
-            except ValueError as exc:
-                raise MergeError(f"reconcile {table.qualified}: {exc}") from exc
-            part = spark.createDataFrame(chunk, schema) if spark_session.is_remote(spark) else \
-                spark.createDataFrame(chunk, schema, verifySchema=False)  # Connect has no such option (it warns)
-            if frame is None and len(rows) < chunk_rows:
-                return part  # one chunk: no staging
-            part.write.mode("append" if staged else "overwrite").parquet(staging)
-            staged, frame = True, part
-            if len(rows) < chunk_rows:
-                break
-    return spark.read.schema(schema).parquet(staging)
+def _source_frame(conf: dict, spark: SparkSession, conn, table: catalog.Table, snapshot: str,
+                  types: T.StructType, login: dict | None) -> DataFrame:
+    """The source table's rows as of the exported snapshot, read by the executors, in canonical form."""
+    unknown_types = config.get(conf, "source.unknown_types")
+    copy = config.get(conf, "snapshot.reader") == "copy" and login is None  # the snapshot's reader, as conf says
+    plan = snapshot_read.plan_partitions(conn, table, int(config.get(conf, "snapshot.partition_rows")),
+                                         int(config.get(conf, "snapshot.max_partitions")),
+                                         spark_session.cores(spark) or 2, by_blocks=copy)
+    rows, fields = snapshot_read.read_table(conf, spark, table, snapshot, plan, unknown_types, login=login)
+    record = avro_schemas.value_schema(table, config.get(conf, "kafka.topic_prefix"), unknown_types)[
+        "fields"][0]["type"][1]  # the Value record, defined in 'before'
+    wire = schema_registry.canonical_json(snapshot_write.wire_record(record, fields))
+    after = F.struct(*[F.col(quote(f["field"])) for f in fields])
+    decoded = rows.select(from_avro(to_avro(after, wire), json.dumps(record)).alias("r"))
+    return decoded.select(*[canonical(F.col("r")[f.name], f.dataType).cast(canonical_type(f.dataType)).alias(f.name)
+                            for f in types.fields])
+
+
+def _login(conf: dict, conn) -> dict:
+    """JDBC url, user and password of a caller's connection (its database and role), at conf's host and port."""
+    url = snapshot_read.jdbc_url({**conf, "source": {**conf["source"], "database": conn.info.dbname}})
+    return {"url": url, "user": conn.info.user, "password": conn.info.password or ""}
 
 
 def declared_keys(conf: dict, specs: list) -> dict[str, list[str]]:
@@ -112,41 +105,48 @@ def declared_keys(conf: dict, specs: list) -> dict[str, list[str]]:
 
 
 def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, sample: int = 10,
-              dbname: str | None = None, chunk_rows: int = 50_000, conn=None,
-              against: dict[str, DataFrame] | None = None) -> list[dict]:
+              dbname: str | None = None, conn=None, against: dict[str, DataFrame] | None = None) -> list[dict]:
     """Compare every configured table (or those named) with its silver table, or with the frame
     ``against`` holds for it (such as the table's fresh view; its live rows, silver's column names).
 
     Returns per table: table, source_rows, silver_rows, equal, differences (up to ``sample`` dicts
-    of the key columns plus ``kind``: missing_in_silver, extra_in_silver or different),
+    of the key columns plus ``kind``: missing_in_silver, extra_in_silver or different, and for a different row
+    ``columns``, the columns whose values differ),
     columns_compared and columns_only_in_silver. ``conn`` (a psycopg2 connection, left open) replaces
-    the pipeline role's connection to source.database (or ``dbname``).
+    the pipeline role's connection to source.database (or ``dbname``): the snapshot is exported there and
+    the executors read as its role.
     """
     specs = [s for s in lake_paths.table_specs(conf) if not tables or s.qualified in tables or s.name in tables]
-    unknown_types = config.get(conf, "source.unknown_types")
+    if dbname:
+        conf = {**conf, "source": {**conf["source"], "database": dbname}}
     own, autocommit = conn is None, None
     if own:
-        conn = source.connect(conf, dbname=dbname, options=pgtypes.session_options())
+        conn = source.connect(conf, options=pgtypes.session_options())
         conn.set_session(isolation_level="REPEATABLE READ", readonly=True)
+        login = None
     else:  # a caller's connection: read in a transaction of our own, rolled back at the end
         autocommit, conn.autocommit = conn.autocommit, False
-        with conn.cursor() as cur:
-            for name, value in pgtypes.SESSION_SETTINGS.items():
-                cur.execute("SELECT set_config(%s, %s, true)", (name, value))
+        login = _login(conf, conn)
     results = []
     try:
+        with conn.cursor() as cur:  # every table read inside this one snapshot, exported while conn stays open
+            cur.execute("SELECT pg_export_snapshot()")
+            snapshot = cur.fetchone()[0]
         sql_names = {s.qualified: catalog.sql_name(s.schema, s.name) for s in specs}
         declared = {sql_names[q]: key for q, key in declared_keys(conf, specs).items()}
         described = catalog.describe_tables(conn, list(sql_names.values()), declared)
+        pairs = []
         for spec in specs:
             table = described[sql_names[spec.qualified]]
             names = avro_schemas.field_names(table.columns)
-            fields = [(col, names[col.name]) for col in table.columns if not col.generated]
             types = source_types(spark, table, conf)
-            schema = T.StructType([T.StructField(f.name, canonical_type(f.dataType)) for f in types.fields])
             keys = [names[k] for k in table.primary_key]
-            staging = lake_paths.lake_path(conf, "_reconcile", spec.schema, spec.name)
-            src = _source_frame(spark, conn, table, fields, schema, staging, chunk_rows, unknown_types)
+            try:
+                src = _source_frame(conf, spark, conn, table, snapshot, types, login)
+            except psycopg2.errors.InsufficientPrivilege as exc:
+                raise MergeError(f"reconcile {table.qualified}: {str(exc).strip().splitlines()[0]}; GRANT SELECT ON "
+                                 f"{table.qualified} TO {login['user'] if login else config.get(conf, 'source.user')}"
+                                 ) from exc
             path = lake_paths.silver_path(conf, spec)
             if against and spec.qualified in against:
                 silver = against[spec.qualified]
@@ -163,14 +163,14 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
                     F.col(quote(found.name)) if found.dataType == f.dataType else \
                     F.col(quote(found.name)).cast(f.dataType)
                 cols.append(canonical(value, f.dataType).cast(canonical_type(f.dataType)).alias(f.name))
-            silver = silver.select(*cols)
-            result = compare(src, silver, keys, sample)
             wanted = {f.name.lower() for f in types.fields}
-            results.append({"table": spec.qualified, **result, "columns_compared": [f.name for f in types.fields],
-                            "columns_only_in_silver": [f.name for f in have.values() if f.name.lower() not in wanted
-                                                       and f.name not in META_COLUMNS]})
-            if not config.is_remote(staging) and os.path.isdir(staging):
-                shutil.rmtree(staging, ignore_errors=True)
+            pairs.append((spec.qualified, src, silver.select(*cols), keys, {
+                "columns_compared": [f.name for f in types.fields],
+                "columns_only_in_silver": [f.name for f in have.values() if f.name.lower() not in wanted
+                                           and f.name not in META_COLUMNS]}))
+        counted = totals([(name, src, silver) for name, src, silver, _, _ in pairs])
+        for name, src, silver, keys, columns in pairs:
+            results.append({"table": name, **compare(src, silver, keys, sample, counted.get(name, {})), **columns})
     finally:
         if own:
             conn.close()
@@ -180,17 +180,32 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
     return results
 
 
-def compare(src: DataFrame, silver: DataFrame, keys: list[str], sample: int = 10) -> dict:
-    """Counts and checksums of two frames with the same columns; a sample of differing keys when they differ."""
+def totals(pairs: list[tuple[str, DataFrame, DataFrame]]) -> dict[str, dict[str, tuple[int, object]]]:
+    """Row count and checksum of each side of every (table, source, silver) pair, in one Spark job for all of them
+    (a job per table costs the driver a task binary per stage): {table: {"source"|"silver": (rows, checksum)}}."""
+    if not pairs:
+        return {}
+    parts = [frame.select(F.lit(name).alias("__t"), F.lit(side).alias("__side"),
+                          F.xxhash64(*[quote(c) for c in src.columns]).alias("__h"))
+             for name, src, silver in pairs for side, frame in (("source", src), ("silver", silver))]
+    found: dict[str, dict] = {}
+    for r in functools.reduce(DataFrame.unionByName, parts).groupBy("__t", "__side").agg(
+            F.count(F.lit(1)).alias("n"), F.sum(F.col("__h").cast("decimal(38,0)")).alias("checksum")).collect():
+        found.setdefault(r["__t"], {})[r["__side"]] = (r["n"], r["checksum"])
+    return found
+
+
+def compare(src: DataFrame, silver: DataFrame, keys: list[str], sample: int = 10,
+            counted: dict[str, tuple] | None = None) -> dict:
+    """Counts and checksums of two frames with the same columns (``counted``: totals() found them already); a sample
+    of differing keys when they differ."""
     columns = [quote(c) for c in src.columns]
     hashed_src = src.select(*[F.col(quote(k)) for k in keys], F.xxhash64(*columns).alias("__h"))
     hashed_silver = silver.select(*[F.col(quote(k)) for k in keys], F.xxhash64(*columns).alias("__h"))
-    totals = {r["side"]: r for r in hashed_src.select(F.lit("source").alias("side"), "__h").unionByName(
-        hashed_silver.select(F.lit("silver").alias("side"), "__h")).groupBy("side").agg(
-        F.count(F.lit(1)).alias("n"), F.sum(F.col("__h").cast("decimal(38,0)")).alias("checksum")).collect()}
-    src_n = totals["source"]["n"] if "source" in totals else 0
-    silver_n = totals["silver"]["n"] if "silver" in totals else 0
-    equal = src_n == silver_n and (src_n == 0 or totals["source"]["checksum"] == totals["silver"]["checksum"])
+    if counted is None:
+        counted = totals([("t", src, silver)]).get("t", {})
+    (src_n, src_sum), (silver_n, silver_sum) = counted.get("source", (0, None)), counted.get("silver", (0, None))
+    equal = src_n == silver_n and (src_n == 0 or src_sum == silver_sum)
     differences = []
     if not equal:
         joined = hashed_src.withColumnRenamed("__h", "__hs").join(
@@ -200,7 +215,24 @@ def compare(src: DataFrame, silver: DataFrame, keys: list[str], sample: int = 10
         rows = joined.filter(F.col("__hs").isNull() | F.col("__ht").isNull() | (F.col("__hs") != F.col("__ht"))) \
             .select(*keys, kind.alias("kind")).orderBy(*keys).limit(sample).collect()
         differences = [r.asDict() for r in rows]
+        changed = [d for d in differences if d["kind"] == "different"]
+        if changed:
+            named = changed_columns(src, silver, keys, changed)
+            for d in changed:
+                d["columns"] = named.get(tuple(d[k] for k in keys), [])
     return {"source_rows": src_n, "silver_rows": silver_n, "equal": equal, "differences": differences}
+
+
+def changed_columns(src: DataFrame, silver: DataFrame, keys: list[str], rows: list[dict]) -> dict[tuple, list[str]]:
+    """For the given keys (a sample: a few rows), the columns whose values differ between the two frames."""
+    wanted = functools.reduce(lambda a, b: a | b, [
+        functools.reduce(lambda a, b: a & b, [F.col(quote(k)).eqNullSafe(F.lit(r[k])) for k in keys]) for r in rows])
+    others = [c for c in src.columns if c not in keys]
+    pairs = src.filter(wanted).alias("s").join(silver.filter(wanted).alias("t"), keys)
+    named = F.array_compact(F.array(*[F.when(~F.col(f"s.{quote(c)}").eqNullSafe(F.col(f"t.{quote(c)}")), F.lit(c))
+                                      for c in others])) if others else F.array().cast("array<string>")
+    return {tuple(r[k] for k in keys): list(r["__columns"]) for r in pairs.select(*keys, named.alias("__columns"))
+            .collect()}
 
 
 def as_frame(spark: SparkSession, results: list[dict]) -> DataFrame:

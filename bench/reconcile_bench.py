@@ -1,0 +1,134 @@
+"""Benchmark: reconcile on TPC-H, its time and the bytes that pass through the driver, one code version against another.
+
+    CDC_TARGET=cluster .venv/bin/python bench/reconcile_bench.py [--scale 0.1] [--code DIR ...]
+
+Builds TPC-H's eight tables (bench/tpch_churn.py's SQL; sf 0.1: 866,030 rows) as a database of its own, takes the
+snapshot and merges it into silver in this process, then runs ``reconcile.reconcile`` once per ``--code`` folder (a
+worktree of another commit; default: this checkout), each in a process of its own with that folder first on
+PYTHONPATH, in the order given. Each runs reconcile twice and measures the second run (the first loads classes and
+modules, which are file reads): seconds, whether every table is equal, and the bytes the driver's processes read and
+wrote meanwhile (``/proc/<pid>/io`` rchar and wchar: sockets and files alike, so an upper bound; and the bytes on
+the TCP connections it holds open at the end, from ``ss``, which misses a connection opened and closed between) — the
+notebook's Python, and the Spark driver's JVM when it is not also the executor (CDC_TARGET cluster; in local mode
+the executors run inside the driver's JVM, so only the Python figure says what crossed into the driver). Everything
+it made is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_env  # noqa: E402 - the sibling module, found through the path set above
+import tpch_churn  # noqa: E402
+
+from lib import config  # noqa: E402
+from lib import spark as spark_lib  # noqa: E402
+from lib.capture import bootstrap, snapshot  # noqa: E402
+from lib.lake import merge, reconcile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def io_bytes(pid: int) -> int:
+    """Bytes a process has read and written so far (rchar + wchar)."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["rchar"]) + int(fields["wchar"])
+
+
+def socket_bytes(pid: int) -> dict[str, int]:
+    """Bytes sent + received so far on each TCP connection the process holds open (`ss -tinp`), by its addresses."""
+    lines = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    found = {}
+    for head, info in zip(lines, lines[1:], strict=False):
+        if f"pid={pid}," in head and "bytes_" in info:
+            counters = dict(part.split(":", 1) for part in info.split() if part.startswith("bytes_"))
+            found[" ".join(head.split()[3:5])] = int(counters.get("bytes_sent", 0)) + \
+                int(counters.get("bytes_received", 0))
+    return found
+
+
+def socket_delta(before: dict[str, int], after: dict[str, int]) -> int:
+    """Bytes moved on connections open at the end (a connection opened and closed in between is not counted)."""
+    return sum(n - before.get(key, 0) for key, n in after.items())
+
+
+def measure(overrides: dict) -> dict:
+    """One reconcile of every table with the conf the benchmark prepared: seconds, equal, driver bytes."""
+    conf = config.apply_overrides(config.load(None), overrides)
+    spark = spark_lib.from_conf(conf, catalog="in-memory")
+    try:
+        jvm = None if spark_lib.is_remote(spark) or str(spark.conf.get("spark.master")).startswith("local") else \
+            int(spark._jvm.java.lang.ProcessHandle.current().pid())
+        began = time.monotonic()
+        reconcile.reconcile(conf, spark)  # the first run loads classes and modules (file reads): not counted
+        first = time.monotonic() - began
+        python_before, jvm_before = io_bytes(os.getpid()), io_bytes(jvm) if jvm else None
+        sockets_before = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
+        began = time.monotonic()
+        results = reconcile.reconcile(conf, spark)
+        seconds = time.monotonic() - began
+        out = {"first_seconds": round(first, 1), "seconds": round(seconds, 1),
+               "equal": all(r["equal"] for r in results), "tables": len(results),
+               "rows": sum(r["source_rows"] for r in results),
+               "python_mb": round((io_bytes(os.getpid()) - python_before) / 1e6, 2),
+               "python_socket_mb": round(socket_delta(sockets_before[os.getpid()], socket_bytes(os.getpid())) / 1e6, 3)}
+        if jvm:
+            out["jvm_mb"] = round((io_bytes(jvm) - jvm_before) / 1e6, 2)
+            out["jvm_socket_mb"] = round(socket_delta(sockets_before[jvm], socket_bytes(jvm)) / 1e6, 3)
+        return out
+    finally:
+        spark.stop()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=0.1, help="TPC-H scale factor (0.1: 866,030 rows)")
+    parser.add_argument("--code", action="append", help="a checkout whose lib/ runs the reconcile (repeatable)")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # the child: conf overrides as JSON
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(json.loads(args.measure))))
+        return
+    load_before = bench_env.machine()
+    folder = tempfile.mkdtemp(prefix="cdc-reconcile-")
+    conf = bench_env.isolated(tpch_churn.TABLES, {"CDC__LAKE__ROOT": os.path.join(folder, "lake")},
+                              schema_sql=tpch_churn.schema_sql(args.scale), schemas=("tpch",))
+    spark, rows = None, []
+    try:
+        spark = spark_lib.from_conf(conf, catalog="in-memory")
+        bootstrap.run(conf, log=lambda *a: None)
+        snapshot.run(conf, spark, log=lambda *a: None)
+        merge.run_until_caught_up(conf, spark)
+        spark.stop()
+        spark = None
+        for code in args.code or [str(ROOT)]:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(code)}
+            done = subprocess.run([sys.executable, __file__, "--measure", json.dumps(conf["env"])], env=env,
+                                  capture_output=True, text=True, timeout=3600)
+            if done.returncode:
+                raise SystemExit(f"reconcile with {code} failed:\n{done.stderr[-4000:]}")
+            rows.append({"code": code, **json.loads(done.stdout.strip().splitlines()[-1])})
+            print(rows[-1], flush=True)
+    finally:
+        bench_env.finish(conf, folder, spark, log=print)
+    target = os.environ.get("CDC_TARGET", "local")
+    print(f"machine before: {load_before}; after: {bench_env.machine()}; target {target}")
+    print("| code | tables | rows | equal | seconds (first run) | notebook's Python: read + written (on its open "
+          "connections) | driver JVM: read + written (on its open connections) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        jvm = f"{r['jvm_mb']} MB ({r['jvm_socket_mb']} MB)" if "jvm_mb" in r else "(executors in the same JVM)"
+        print(f"| {r['code']} | {r['tables']} | {r['rows']:,} | {r['equal']} | {r['seconds']} ({r['first_seconds']}) | "
+              f"{r['python_mb']} MB ({r['python_socket_mb']} MB) | {jvm} |")
+
+
+if __name__ == "__main__":
+    main()
