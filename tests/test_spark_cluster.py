@@ -178,6 +178,40 @@ def test_a_connect_target_with_no_server_names_the_address_and_the_remedy(tmp_pa
     assert "lib.local.stack cluster up" in done.stdout
 
 
+@pytest.mark.parametrize(("lacks", "expected"), [
+    ("delta", "runs without Delta's SQL extension"),
+    ("kafka", "cannot read Kafka"),
+])
+def test_a_connect_server_without_delta_or_the_kafka_jar_is_named_with_the_remedy(cluster, lacks, expected, tmp_path):
+    """A Connect server started as a user might start theirs, without Delta's extension, or with Delta but without
+    Spark's Kafka jars: the session is refused with what is missing and how to start the server."""
+    conf = cluster[0]
+    jars = sorted(Path(config.location(str(config.get(conf, "spark.jars_dir")))).glob("*.jar"))
+    settings = {"spark.master": "local[1]", "spark.connect.grpc.binding.address": "127.0.0.1",
+                "spark.connect.grpc.binding.port": "27103", "spark.driver.memory": "512m", "spark.ui.enabled": "false"}
+    if lacks == "kafka":
+        settings.update({"spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+                         "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+                         "spark.jars": ",".join(str(j) for j in jars if j.name.startswith("delta-"))})
+    command = [str(spark_cluster.spark_home() / "bin" / "spark-submit"), "--class", spark_cluster.CONNECT_CLASS,
+               *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")]]
+    env = {**os.environ, "SPARK_HOME": str(spark_cluster.spark_home()), "SPARK_CONNECT_MODE": "0"}
+    log, pid_file = tmp_path / "connect.log", tmp_path / "connect.pid"
+    pid = process.start(command, log, pid_file, env=env, cwd=tmp_path)
+    try:
+        process.wait_ready("bad-connect", lambda: process.port_in_use("127.0.0.1", 27103), 120, log, pid, pid_file)
+        script = ("import sys; from lib import spark as s\n"
+                  "try:\n    s.remote_session('sc://127.0.0.1:27103')\n"
+                  "except s.TargetError as e:\n    print('ERR', e); sys.exit(3)\n")
+        clean = {k: v for k, v in os.environ.items() if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=clean)
+        assert done.returncode == 3, done.stderr[-3000:]
+        assert f"the Spark Connect server at sc://127.0.0.1:27103 {expected}" in done.stdout, done.stdout
+        assert "start it with" in done.stdout, done.stdout
+    finally:
+        process.stop_recorded("bad-connect", pid_file, spark_cluster.CONNECT_CLASS, timeout=30, log=lambda line: None)
+
+
 def test_down_stops_every_process_and_frees_the_ports(cluster):
     conf, folder, lines = cluster
     spark_cluster.stop(conf, folder, log=lines.append)
