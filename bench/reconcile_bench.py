@@ -8,7 +8,8 @@ worktree of another commit; default: this checkout), each in a process of its ow
 PYTHONPATH, in the order given. Each runs reconcile twice and measures the second run (the first loads classes and
 modules, which are file reads): seconds, whether every table is equal, and the bytes the driver's processes read and
 wrote meanwhile (``/proc/<pid>/io`` rchar and wchar: sockets and files alike, so an upper bound; and the bytes on
-the TCP connections it holds open at the end, from ``ss``, which misses a connection opened and closed between) — the
+the TCP connections it holds open at the end, from ``ss``, which misses a connection opened and closed between; and
+what those connections carry while the driver idles as long as the first run took) — the
 notebook's Python, and the Spark driver's JVM when it is not also the executor (CDC_TARGET cluster; in local mode
 the executors run inside the driver's JVM, so only the Python figure says what crossed into the driver). Everything
 it made is removed at the end.
@@ -70,6 +71,9 @@ def measure(overrides: dict) -> dict:
         began = time.monotonic()
         reconcile.reconcile(conf, spark)  # the first run loads classes and modules (file reads): not counted
         first = time.monotonic() - began
+        idle = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
+        time.sleep(first)  # as long as a run, doing nothing: what the driver's connections carry anyway
+        idle = {pid: socket_delta(before, socket_bytes(pid)) for pid, before in idle.items()}
         python_before, jvm_before = io_bytes(os.getpid()), io_bytes(jvm) if jvm else None
         sockets_before = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
         began = time.monotonic()
@@ -79,10 +83,12 @@ def measure(overrides: dict) -> dict:
                "equal": all(r["equal"] for r in results), "tables": len(results),
                "rows": sum(r["source_rows"] for r in results),
                "python_mb": round((io_bytes(os.getpid()) - python_before) / 1e6, 2),
-               "python_socket_mb": round(socket_delta(sockets_before[os.getpid()], socket_bytes(os.getpid())) / 1e6, 3)}
+               "python_socket_mb": round(socket_delta(sockets_before[os.getpid()], socket_bytes(os.getpid())) / 1e6, 3),
+               "idle_s": round(first, 1), "python_idle_mb": round(idle[os.getpid()] / 1e6, 3)}
         if jvm:
             out["jvm_mb"] = round((io_bytes(jvm) - jvm_before) / 1e6, 2)
             out["jvm_socket_mb"] = round(socket_delta(sockets_before[jvm], socket_bytes(jvm)) / 1e6, 3)
+            out["jvm_idle_mb"] = round(idle[jvm] / 1e6, 3)
         return out
     finally:
         spark.stop()
@@ -122,12 +128,13 @@ def main(argv=None) -> None:
     target = os.environ.get("CDC_TARGET", "local")
     print(f"machine before: {load_before}; after: {bench_env.machine()}; target {target}")
     print("| code | tables | rows | equal | seconds (first run) | notebook's Python: read + written (on its open "
-          "connections) | driver JVM: read + written (on its open connections) |")
+          "connections; idle as long) | driver JVM: read + written (on its open connections; idle as long) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        jvm = f"{r['jvm_mb']} MB ({r['jvm_socket_mb']} MB)" if "jvm_mb" in r else "(executors in the same JVM)"
+        jvm = f"{r['jvm_mb']} MB ({r['jvm_socket_mb']} MB; {r.get('jvm_idle_mb')} MB)" if "jvm_mb" in r else \
+            "(executors in the same JVM)"
         print(f"| {r['code']} | {r['tables']} | {r['rows']:,} | {r['equal']} | {r['seconds']} ({r['first_seconds']}) | "
-              f"{r['python_mb']} MB ({r['python_socket_mb']} MB) | {jvm} |")
+              f"{r['python_mb']} MB ({r['python_socket_mb']} MB; {r.get('python_idle_mb')} MB) | {jvm} |")
 
 
 if __name__ == "__main__":
