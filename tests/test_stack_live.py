@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import time
 from decimal import Decimal
 
@@ -16,7 +18,7 @@ from psycopg2 import sql
 
 from lib import config, source
 from lib.local import stack
-from lib.local.stack import registry
+from lib.local.stack import process, registry
 
 ACCOUNT_SCHEMA = """{
   "type": "record", "name": "Account", "namespace": "cdc.test",
@@ -129,6 +131,30 @@ def test_registry_keeps_schemas_across_a_restart(live_stack, registry_client, ru
     fresh = SchemaRegistryClient({"url": config.get(live_stack, "registry.url")})
     assert '"Account"' in fresh.get_schema(schema_id).schema_str
     assert fresh.get_latest_version(subject).schema_id == schema_id
+    fresh.delete_subject(subject, permanent=False)
+
+
+@pytest.mark.serial  # kills the stack's registry
+def test_up_after_a_kill_9_clears_the_stale_pid_file_and_starts_that_service_alone(live_stack, registry_client,
+                                                                                   run_id):
+    subject = f"cdc-test-{run_id}-killed-value"
+    schema_id = registry_client.register_schema(subject, Schema(ACCOUNT_SCHEMA, "AVRO"))
+    folder = stack.stack_dir(live_stack)
+    pid = process.read_pid(registry.files(folder)["pid"])
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer or a crash would: the pid file stays behind
+    deadline = time.monotonic() + 30
+    while registry.status(live_stack, folder)["state"] != "stale pid file":
+        assert time.monotonic() < deadline, registry.status(live_stack, folder)
+        time.sleep(0.2)
+    lines: list[str] = []
+    stack.up(live_stack, log=lines.append)
+    said = "\n".join(lines)
+    assert f"registry  cleared a stale pid file {registry.files(folder)['pid']} (pid {pid} no longer runs registry" \
+        in said, said
+    assert "postgres  already running" in said and "kafka     already running" in said, said  # only the dead one
+    assert registry.status(live_stack, folder)["state"] == "running"
+    fresh = SchemaRegistryClient({"url": config.get(live_stack, "registry.url")})
+    assert fresh.get_latest_version(subject).schema_id == schema_id  # its storage survived the kill
     fresh.delete_subject(subject, permanent=False)
 
 
