@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -210,6 +212,28 @@ def test_a_connect_server_without_delta_or_the_kafka_jar_is_named_with_the_remed
         assert "start it with" in done.stdout, done.stdout
     finally:
         process.stop_recorded("bad-connect", pid_file, spark_cluster.CONNECT_CLASS, timeout=30, log=lambda line: None)
+
+
+def test_up_after_a_kill_9_of_a_worker_starts_that_worker_alone(cluster):
+    conf, folder, _ = cluster
+    pid_file = spark_cluster.files(folder, "worker-2")["pid"]
+    pid = process.read_pid(pid_file)
+    os.kill(pid, signal.SIGKILL)  # the pid file stays behind, as after a crash or a machine restart
+    rows = lambda: {row["service"]: row["state"] for row in spark_cluster.status(conf, folder)}  # noqa: E731
+    deadline = time.monotonic() + 30
+    while rows()["spark-worker-2"] != "stale pid file":
+        assert time.monotonic() < deadline, rows()
+        time.sleep(0.2)
+    lines: list[str] = []
+    spark_cluster.start(conf, folder, log=lines.append)  # at once: the killed JVM may still hold its ports
+    said = "\n".join(lines)
+    assert f"cleared a stale pid file {pid_file} (pid {pid} no longer runs spark-worker-2" in said, said
+    assert sum("already running" in line for line in lines) == 3, said  # the master, worker 1, Connect: left alone
+    deadline = time.monotonic() + 90
+    while sum(w["state"] == "ALIVE" for w in spark_cluster.master_state(conf)["workers"]) < 2:
+        assert time.monotonic() < deadline, spark_cluster.master_state(conf)["workers"]
+        time.sleep(1)
+    assert set(rows().values()) == {"running"}, rows()
 
 
 def test_down_stops_every_process_and_frees_the_ports(cluster):

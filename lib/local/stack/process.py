@@ -49,9 +49,13 @@ def running_pid(service: str, pid_file: Path, marker: str) -> int | None:
     )
 
 
-def claim(service: str, pid_file: Path, marker: str, ports: list[tuple[str, int, str]], log=print) -> bool:
+def claim(service: str, pid_file: Path, marker: str, ports: list[tuple[str, int, str]], log=print,
+          release_s: float = 15.0) -> bool:
     """False when the service already runs; otherwise True once each (host, port, setting) is free.
-    A pid file whose process is gone (a machine restart, a kill) is cleared: the ports say whether it still runs."""
+    A pid file whose process is gone (a machine restart, a kill) is cleared: the ports say whether it still runs.
+    A process killed a moment ago may still hold its ports while its threads exit (its command line is gone first),
+    so after clearing such a file each port gets ``release_s`` to become free."""
+    cleared = False
     try:
         if running_pid(service, pid_file, marker):
             log(f"{service:9s} already running on port {ports[0][1]}")
@@ -60,7 +64,11 @@ def claim(service: str, pid_file: Path, marker: str, ports: list[tuple[str, int,
         log(f"{service:9s} cleared a stale pid file {pid_file} (pid {read_pid(pid_file)} no longer runs {service}: "
             f"the machine restarted or the process was killed)")
         pid_file.unlink(missing_ok=True)
+        cleared = True
     for host, port, setting in ports:
+        deadline = time.monotonic() + (release_s if cleared else 0)
+        while port_in_use(host, port) and time.monotonic() < deadline:
+            time.sleep(0.2)
         require_free_port(service, host, port, setting)
     return True
 
