@@ -13,7 +13,7 @@ PG_MAJORS_TEST := 13,18
 PG_MAJORS_ALL := 13,14,15,16,17,18
 NOTEBOOKS := $(wildcard notebooks/[0-9][0-9]_*.ipynb)
 
-.PHONY: install system fetch up down status logs sample demo test test-cluster coverage check compat lint jupyter clean run stop teardown faults bench
+.PHONY: install system fetch up down status logs sample demo test test-cluster coverage check compat lint jupyter clean run stop teardown faults soak bench
 .SILENT: system demo status
 
 install: system $(STAMP) fetch  ## everything a fresh machine needs (system packages, .venv, jars)
@@ -124,6 +124,9 @@ compat: up  ## the pipeline on every PostgreSQL major from 13 to 18 (servers sta
 
 faults: up  ## failure matrix under load (Kafka/PostgreSQL/registry down, kill -9, disk full...); docs/reliability.md
 	$(PY) bench/fault_matrix.py $(if $(CASES),--cases $(CASES)) $(if $(CYCLES),--cycles $(CYCLES))
+
+soak: up  ## an hour of mixed writes, DDL and a 1M-row transaction with the services: memory, WAL, catch-up, exact
+	$(PY) bench/soak_bench.py --mixed $(if $(MINUTES),--minutes $(MINUTES))
 
 bench: up  ## the short benchmarks in one table, a few minutes: capture backlog (TLS and plain TCP), snapshot, merge catch-up
 	$(PY) bench/short.py

@@ -15,12 +15,21 @@ round-robin over the tables, for --minutes. Every --sample-minutes it prints one
 - the CPU seconds of the stack and services in the window.
 
 At the end: the seconds until the lake had caught up, then every table reconciled with its source.
+
+``--mixed`` (``make soak``, issue 30's hour): the writer also deletes rows and changes keys (of the rows it
+made), a DDL (``ADD COLUMN``) hits one table every ``--ddl-minutes`` and is timed until the lake caught up
+with it, and one transaction of ``--big-rows`` rows commits at ``--big-minute``. Every minute it records each
+service's resident memory (VmRSS summed over the keeper, the service and their children: the merge's JVM
+included) and the WAL the slot retains. The report adds the memory ratio (the highest RSS in minutes 50-60
+over the lowest in minutes 10-20, per service), the retained WAL outside the big transaction, the catch-up
+after each DDL and after the big transaction.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -34,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 import freshness_bench  # noqa: E402
 
-from lib import source  # noqa: E402
+from lib import config, source  # noqa: E402
 from lib.lake import fresh_read, lake_paths, reconcile  # noqa: E402
 from lib.operate import metrics, monitor, service  # noqa: E402
 from lib.views import masking  # noqa: E402
@@ -64,6 +73,90 @@ def writer(conf: dict, tables: list[str], rate: float, stop: threading.Event, co
     conn.close()
 
 
+def mixed_writer(conf: dict, tables: list[str], rate: float, stop: threading.Event, counts: dict) -> None:
+    """One-row transactions at rate per second on the rows it inserted: 4 in 10 inserts, 3 updates, 2 key changes
+    and 1 delete, round-robin over the tables; a failure ends it and is kept in counts['error']."""
+    conn = source.connect(conf, admin=True)
+    conn.autocommit = True
+    rng, live, next_id = random.Random(7), {t: [] for t in tables}, 1_000_001
+    begin, i = time.monotonic(), 0
+    try:
+        with conn.cursor() as cur:
+            while not stop.is_set():
+                time.sleep(max(0.0, begin + i / rate - time.monotonic()))
+                table, kind, rows = tables[i % len(tables)], i % 10, live[tables[i % len(tables)]]
+                if kind < 4 or not rows:
+                    cur.execute(f"INSERT INTO {table} (id, v) VALUES (%s, 'soak')", (next_id,))
+                    rows.append(next_id)
+                    next_id += 1
+                elif kind < 7:
+                    cur.execute(f"UPDATE {table} SET v = md5(v) WHERE id = %s", (rng.choice(rows),))
+                elif kind < 9:
+                    j = rng.randrange(len(rows))
+                    cur.execute(f"UPDATE {table} SET id = %s WHERE id = %s", (next_id, rows[j]))
+                    rows[j], next_id = next_id, next_id + 1
+                else:
+                    cur.execute(f"DELETE FROM {table} WHERE id = %s", (rows.pop(rng.randrange(len(rows))),))
+                counts["transactions"] = i = i + 1
+    except Exception as exc:  # noqa: BLE001 - reported with the results
+        counts["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+def resident_mb(conf: dict) -> dict[str, float]:
+    """Per service: VmRSS in MB of its keeper and every descendant (the service, a merge's JVM)."""
+    parents, rss = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines()
+                              if ":" in line)
+            except OSError:
+                continue
+            parents[int(entry)] = int(status["PPid"])
+            rss[int(entry)] = int(status.get("VmRSS", "0 kB").split()[0]) / 1024
+    found = {}
+    for row in service.status(conf):
+        root = row.get("pid")
+        if not root:
+            continue
+        total = 0.0
+        for pid in rss:
+            walk = pid
+            while walk != root and walk in parents and walk > 1:
+                walk = parents[walk]
+            total += rss[pid] if walk == root else 0.0
+        found[row["service"]] = round(total, 1)
+    return found
+
+
+def retained_wal_mb(conf: dict) -> float:
+    """WAL the slot holds back (current position minus its restart_lsn), MB."""
+    conn = source.connect(conf)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn) FROM pg_replication_slots "
+                        "WHERE slot_name = %s", (config.get(conf, "source.slot"),))
+            return round(float(cur.fetchone()[0]) / 2**20, 1)
+    finally:
+        conn.close()
+
+
+def timed_catch_up(conf: dict, statement: str) -> float:
+    """Run statement on the source, then wait until the slot, bronze and silver hold it; seconds from the commit."""
+    conn = source.connect(conf, admin=True)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(statement)
+    finally:
+        conn.close()
+    began = time.monotonic()
+    monitor.wait_until_caught_up(conf, timeout_s=1800)
+    return round(time.monotonic() - began, 1)
+
+
 def sample(conf: dict, spark, view: str, policy: dict, since_record: int, cpu_before: dict) -> dict:
     """One line's figures (see the module's docstring)."""
     bronze = files(lake_paths.bronze_path(conf))
@@ -91,21 +184,39 @@ def run(args, log) -> dict:
     tables = freshness_bench.table_names(args.tables)
     conf = freshness_bench.isolated(folder, args.tables)
     spark, stop, counts, samples = None, threading.Event(), {"transactions": 0}, []
+    minutes, ddls, big = [], [], {}
     try:
         spark = freshness_bench.start_pipeline(conf, folder)
         policy = {"default": "keep", "database": "soak_v", "privileged_database": "soak_p"}
         masking.create_views(conf, spark, policy, tables=["fresh.t01"])
         view = masking.view(conf, "fresh.t01", "fresh", policy)
-        thread = threading.Thread(target=writer, args=(conf, tables, args.rate, stop, counts), daemon=True)
+        write = mixed_writer if args.mixed else writer
+        thread = threading.Thread(target=write, args=(conf, tables, args.rate, stop, counts), daemon=True)
         begin = time.monotonic()
         thread.start()
         last_record, cpu = len(metrics.records(conf, "merge")), bench_env.cpu_seconds(conf)
-        for minute in range(args.sample_minutes, args.minutes + args.sample_minutes, args.sample_minutes):
-            time.sleep(max(0.0, begin + min(minute, args.minutes) * 60 - time.monotonic()))
+        for minute in range(1, args.minutes + 1):
+            time.sleep(max(0.0, begin + minute * 60 - time.monotonic()))
+            if args.mixed:
+                minutes.append({"minute": minute, "rss_mb": resident_mb(conf), "wal_mb": retained_wal_mb(conf)})
+                log(f"soak: {minutes[-1]}")
+                if minute == args.big_minute:
+                    big.update(minute=minute, rows=args.big_rows, caught_up_s=timed_catch_up(conf, (
+                        f"INSERT INTO {tables[1]} (id, v) SELECT g, 'big' FROM generate_series(50000001, "
+                        f"{50_000_000 + args.big_rows}) g")))
+                    big["until_minute"] = (time.monotonic() - begin) / 60
+                    log(f"soak: big transaction {big}")
+                elif minute % args.ddl_minutes == 0 and minute < args.minutes:
+                    table = tables[(minute // args.ddl_minutes) % len(tables)]
+                    ddls.append({"minute": minute, "table": table, "caught_up_s": timed_catch_up(
+                        conf, f"ALTER TABLE {table} ADD COLUMN c{minute} text DEFAULT 'added at minute {minute}'")})
+                    log(f"soak: DDL {ddls[-1]}")
+            if minute % args.sample_minutes and minute != args.minutes:
+                continue
             wrote = counts["transactions"]
             figures = sample(conf, spark, view, policy, last_record, cpu)
             last_record, cpu = figures.pop("records"), figures.pop("cpu")
-            samples.append({"minute": min(minute, args.minutes), "transactions": wrote, **figures})
+            samples.append({"minute": minute, "transactions": wrote, **figures})
             log(f"soak: {samples[-1]}")
         stop.set()
         thread.join(60)
@@ -114,6 +225,7 @@ def run(args, log) -> dict:
         caught_up_s = round(time.monotonic() - wrote, 1)
         results = reconcile.reconcile(conf, spark)
         return {"samples": samples, "caught_up_s": caught_up_s, "transactions": counts["transactions"],
+                "writer_error": counts.get("error"), "minutes": minutes, "ddls": ddls, "big": big,
                 "exact": {r["table"]: r["equal"] for r in results},
                 "rows": {r["table"]: r["source_rows"] for r in results}}
     finally:
@@ -137,7 +249,34 @@ def report(args, result: dict, before: str, after: str) -> str:
     exact = all(result["exact"].values())
     lines += ["", f"{result['transactions']:,} transactions; caught up {result['caught_up_s']} s after the writes; "
                   f"reconciled: {'every table exact' if exact else result['exact']} (rows {result['rows']})"]
+    if result["writer_error"]:
+        lines.append(f"the writer stopped early: {result['writer_error']}")
+    if args.mixed:
+        lines += ["", *mixed_report(result)]
     return "\n".join(lines)
+
+
+def mixed_report(result: dict) -> list[str]:
+    """Memory, retained WAL, DDL and big-transaction lines of a --mixed run."""
+    minutes, big = result["minutes"], result["big"]
+    lines = ["| minute | " + " | ".join(f"{name} RSS MB" for name in sorted(minutes[0]["rss_mb"])) +
+             " | retained WAL MB |", "|---|" + "---|" * (len(minutes[0]["rss_mb"]) + 1)]
+    lines += [f"| {m['minute']} | " + " | ".join(str(m["rss_mb"].get(name)) for name in sorted(minutes[0]["rss_mb"]))
+              + f" | {m['wal_mb']} |" for m in minutes]
+    for name in sorted(minutes[0]["rss_mb"]):
+        early = [m["rss_mb"].get(name) for m in minutes if 10 <= m["minute"] <= 20 and m["rss_mb"].get(name)]
+        late = [m["rss_mb"].get(name) for m in minutes if 50 <= m["minute"] <= 60 and m["rss_mb"].get(name)]
+        if early and late:
+            lines.append(f"{name}: highest RSS in minutes 50-60 {max(late)} MB / lowest in minutes 10-20 "
+                         f"{min(early)} MB = {max(late) / min(early):.2f}")
+    outside = [m["wal_mb"] for m in minutes if not big or not big["minute"] <= m["minute"] <= big["until_minute"] + 1]
+    lines.append(f"retained WAL outside the big transaction: at most {max(outside, default=0)} MB")
+    lines += [f"DDL at minute {d['minute']} on {d['table']}: lake caught up {d['caught_up_s']} s after it"
+              for d in result["ddls"]]
+    if big:
+        lines.append(f"one transaction of {big['rows']:,} rows at minute {big['minute']}: lake caught up "
+                     f"{big['caught_up_s']} s after its commit")
+    return lines
 
 
 def main(argv=None) -> None:
@@ -146,6 +285,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="one-row transactions per second")
     parser.add_argument("--tables", type=int, default=8)
     parser.add_argument("--sample-minutes", type=int, default=5)
+    parser.add_argument("--mixed", action="store_true", help="deletes, key changes, DDL, a big transaction, memory")
+    parser.add_argument("--ddl-minutes", type=int, default=10)
+    parser.add_argument("--big-minute", type=int, default=30)
+    parser.add_argument("--big-rows", type=int, default=1_000_000)
     args = parser.parse_args(argv)
     before = bench_env.machine()
     result = run(args, print)

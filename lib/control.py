@@ -7,6 +7,8 @@ One compacted topic per topic prefix, ``<topic_prefix>.__cdc_control``, keyed by
 - ``truncate/<schema.table>``: the position of the latest TRUNCATE of a table (a truncate has
   no key, so it cannot live in the table's own compacted topic).
 - ``incremental/<slot>/<schema.table>``: an incremental snapshot's request and progress (lib.capture.incremental).
+- ``position/<slot>``: the last position the capture confirmed to the slot, with the server's system
+  identifier and timeline, written before the slot hears of it (lib/capture/slot_position.py).
 - ``service/<slot>/capture|merge``: a lease the running continuous service renews (host, pid, valid
   until); the notebooks' capture and merge steps refuse while it is valid (one slot, one checkpoint).
 
@@ -42,11 +44,23 @@ def topic(conf: dict) -> str:
     return f"{config.get(conf, 'kafka.topic_prefix')}.__cdc_control"
 
 
+# The capture records its position about once a second (lib/capture/slot_position.py) and services renew their
+# leases: short segments let Kafka compact those keys, so a reader from the start reads little more than one
+# record per key (Kafka compacts only closed segments; its default rolls one a week).
+SEGMENT_SETTINGS = {"segment.ms": 10 * 60 * 1000, "min.cleanable.dirty.ratio": 0.1}
+
+
 def ensure(conf: dict) -> str:
-    """Create the control topic (compacted, one partition) if missing; returns 'created' or 'exists'."""
+    """Create the control topic (compacted, one partition, short segments) if missing; 'created' or 'exists'."""
     admin = kafka_client.admin(conf)
     name = topic(conf)
-    return topics.ensure_topics(admin, [name], partitions=1)[name]
+    result = topics.ensure_topics(admin, [name], partitions=1, config=SEGMENT_SETTINGS)[name]
+    if result == "exists":  # made before these settings: give it them (harmless to set again)
+        try:
+            topics.set_configs(admin, name, SEGMENT_SETTINGS)
+        except topics.TopicError as exc:  # works without them, only reads slower as the records pile up
+            return f"exists (kept its segment settings: {exc})"
+    return result
 
 
 def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> None:
@@ -97,7 +111,7 @@ def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
         consumer.close()
 
 
-PIPELINE_KEYS = ("snapshot/", "truncate/", "incremental/", "service/")
+PIPELINE_KEYS = ("snapshot/", "truncate/", "incremental/", "service/", "position/")
 
 
 def _apply(records: dict[str, dict], bad: dict[str, str], name: str, message) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from confluent_kafka import KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, OffsetSpec
 
 from lib import config
 
@@ -96,6 +96,19 @@ def end_offsets(admin_client: AdminClient, names: list[str], timeout_s: float = 
         for partition, future in admin_client.list_offsets(wanted, request_timeout=timeout_s).items():
             ends[partition.topic][partition.partition] = future.result().offset
     return {t: dict(sorted(p.items())) for t, p in ends.items()}
+
+
+def set_configs(admin_client: AdminClient, name: str, settings: dict, timeout_s: float = 30.0) -> None:
+    """Set topic-level settings of an existing topic (incremental: the others stay as they are)."""
+    entries = [ConfigEntry(key, str(value), incremental_operation=AlterConfigOpType.SET)
+               for key, value in settings.items()]
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name, incremental_configs=entries)
+    try:
+        for future in admin_client.incremental_alter_configs([resource], request_timeout=timeout_s).values():
+            future.result(timeout_s)
+    except KafkaException as exc:
+        raise TopicError(f"cannot set {', '.join(settings)} of topic {name}: {exc.args[0].str()}; check that this "
+                         f"client may alter topic configs") from exc
 
 
 def _partition_counts(admin_client: AdminClient, timeout_s: float) -> dict[str, int]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource
 
-from lib import config, control
+from lib import config, control, topics
 
 
 @pytest.fixture
@@ -33,3 +33,20 @@ def test_missing_control_topic_says_to_run_notebook_01(live_stack, run_id):
     conf = config.apply_overrides(live_stack, {"CDC__KAFKA__TOPIC_PREFIX": f"cdc-test-{run_id}-missing"})
     with pytest.raises(control.ControlError, match=r"__cdc_control.*notebook 01"):
         control.read_all(conf, timeout=5)
+
+
+def _segment_settings(conf: dict) -> dict:
+    admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
+    resource = ConfigResource(ConfigResource.Type.TOPIC, control.topic(conf))
+    found = admin.describe_configs([resource])[resource].result(30)
+    return {key: int(float(found[key].value)) if key == "segment.ms" else float(found[key].value)
+            for key in control.SEGMENT_SETTINGS}
+
+
+def test_the_topic_rolls_short_segments_so_kafka_compacts_the_records_that_repeat(control_conf):
+    assert _segment_settings(control_conf) == control.SEGMENT_SETTINGS
+    admin = AdminClient({"bootstrap.servers": config.get(control_conf, "kafka.bootstrap_servers")})
+    topics.set_configs(admin, control.topic(control_conf), {"segment.ms": 604800000})  # as an older bootstrap made it
+    assert _segment_settings(control_conf)["segment.ms"] == 604800000
+    assert control.ensure(control_conf) == "exists"
+    assert _segment_settings(control_conf) == control.SEGMENT_SETTINGS

@@ -134,6 +134,11 @@ def value_schema(table: Table, topic_prefix: str, unknown_types: str = "error") 
     }
 
 
+def value_record(envelope: dict) -> dict:
+    """The Value record (a row's columns) inside an Envelope schema, where 'before' defines it."""
+    return next(f["type"][1] for f in envelope["fields"] if f["name"] == "before")
+
+
 def source_schema() -> dict:
     """The 'source' block: Debezium's PostgreSQL fields plus commit_lsn and event_serial (the merge order)."""
     nullable_string = ["null", "string"]

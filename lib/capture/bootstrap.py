@@ -204,12 +204,31 @@ def slot_findings(conn, conf: dict) -> list[Finding]:
                     f"{'active' if active else 'idle'}, wal_status {wal_status})")]
 
 
+def failover_findings(conn, conf: dict) -> list[Finding]:
+    """With source.failover_slot: PostgreSQL 17+, and the primary holds back WAL its standbys have not confirmed."""
+    if not config.get(conf, "source.failover_slot"):
+        return []
+    if conn.server_version < 170000:
+        return [Finding("failover slots (source.failover_slot)", False, f"server_version_num = {conn.server_version}",
+                        "failover slots need PostgreSQL 17 or newer: upgrade, or set source.failover_slot: false "
+                        "(after a failover the capture then stops and asks for a new snapshot)")]
+    with conn.cursor() as cur:
+        cur.execute("SELECT current_setting('synchronized_standby_slots')")
+        standby_slots = cur.fetchone()[0]
+    return [Finding("synchronized_standby_slots is set (source.failover_slot)", bool(standby_slots.strip()),
+                    f"synchronized_standby_slots = '{standby_slots}'",
+                    "set synchronized_standby_slots on the primary to the physical slots of the standbys that may "
+                    "be promoted (primary_slot_name on each), then reload: otherwise the capture can receive "
+                    "transactions a standby never got, and after its promotion silver keeps rows that do not "
+                    "exist (docs/reliability.md, \"Failover\")")]
+
+
 def check(conf: dict) -> tuple[dict[str, catalog.Table], list[Finding]]:
     """All source prerequisites, checked as the pipeline role."""
     user = config.get(conf, "source.user")
     conn = source.connect(conf)
     try:
-        findings = server_findings(conn) + role_findings(conn, user)
+        findings = server_findings(conn) + failover_findings(conn, conf) + role_findings(conn, user)
         tables, table_checks = table_findings(conn, conf, user)
         return tables, findings + table_checks + publication_findings(conn, conf, tables) + slot_findings(conn, conf)
     finally:

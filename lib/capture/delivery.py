@@ -10,7 +10,7 @@ import psycopg2.errors
 from confluent_kafka import KafkaError, KafkaException
 
 from lib import config
-from lib.capture import events
+from lib.capture import events, slot_position
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.stream_state import DeliveryError, State, StreamError
 
@@ -91,7 +91,7 @@ def advance(st: State) -> None:
         st.acks.last_commit_ms = t[2]
         moved = True
     if moved:
-        st.cursor.acknowledge(st.acks.acked)
+        slot_position.release(st)
     if st.acks.delivery_errors:
         topic, partition, err = st.acks.delivery_errors[0]
         raise DeliveryError(
@@ -116,7 +116,7 @@ def _size_remedy(err: KafkaError, topic: str, size: int | None = None) -> str:
 def ack(st: State, lsn: int) -> None:
     if lsn > st.acks.acked:
         st.acks.acked = lsn
-        st.cursor.acknowledge(lsn)
+        slot_position.release(st)
 
 
 def keepalive(st: State, quiet: bool = False) -> None:

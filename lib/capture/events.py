@@ -115,7 +115,8 @@ class Plan:
         self._value_prefix = schema_registry.confluent_header(value_id)
         self._fast = False
         if _envelope_layout_ok(self.value_schema, self.names):
-            self._value_list = avro_encoder._Codegen().compile(self.value_schema["fields"][0]["type"][1], by_index=True)
+            record = avro_schemas.value_record(self.value_schema)
+            self._value_list = avro_encoder._Codegen().compile(record, by_index=True)
             self._fast = self._self_check()
         self.codec = None if widened else native.row_codec(self)
 

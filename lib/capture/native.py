@@ -13,7 +13,7 @@ import functools
 import os
 
 from lib import schema_registry
-from lib.capture import avro_encoder, pgtypes
+from lib.capture import avro_encoder, avro_schemas, pgtypes
 
 try:
     from lib.capture import _native
@@ -80,7 +80,7 @@ def row_codec(plan):
     """The compiled encoder of a plan whose ids are set, or None (not built, or a shape left to Python)."""
     if _native is None or not plan._fast or plan.key_id is None:
         return None
-    value = plan.value_schema["fields"][0]["type"][1]["fields"]
+    value = avro_schemas.value_record(plan.value_schema)["fields"]
     key_fields = plan.key_schema["fields"]
     if len(value) != plan.ncols or tuple(f["name"] for f in key_fields) != plan.key_names:
         return None

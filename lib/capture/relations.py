@@ -8,6 +8,7 @@ import json
 
 from lib import schema_registry
 from lib.capture import (
+    avro_schemas,
     catalog,
     delivery,
     events,
@@ -263,7 +264,7 @@ def _registered_columns(st: State, subject: str) -> dict[str, str] | None:
     """Column name -> SQL type ('pg.type') of the subject's latest registered version; None if unknown."""
     try:
         latest = json.loads(st.registry.get_latest_version(subject).schema.schema_str)
-        value = next(f["type"][1] for f in latest["fields"] if f["name"] == "before")
+        value = avro_schemas.value_record(latest)
         return {f.get("pg.column", f["name"]): f.get("pg.type", "?") for f in value["fields"]}
     except Exception:  # noqa: BLE001 - only used to describe a change
         return None

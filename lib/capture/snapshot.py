@@ -18,7 +18,7 @@ import psycopg2.errors
 
 from lib import config, control, kafka_client, schema_registry, source
 from lib import spark as spark_session
-from lib.capture import avro_schemas, catalog, snapshot_read, snapshot_slot, snapshot_write
+from lib.capture import avro_schemas, catalog, slot_position, snapshot_read, snapshot_slot, snapshot_write
 from lib.capture.catalog import sql_ident
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.snapshot_slot import SnapshotError
@@ -159,10 +159,21 @@ def run(conf: dict, spark, log=print, resnapshot: bool = False) -> dict:
                    "finished_at": datetime.now(timezone.utc).isoformat(), "elapsed_s": round(elapsed, 3),
                    "rows": total, "rows_per_s": round(total / elapsed, 1) if elapsed > 0 else None,
                    "partitions": {name: stats[name]["partitions"] for name in tables}})
+    _record_position(conf, slot, consistent_lsn)
     control.put(conf, f"snapshot/{slot}", record)
     log(f"snapshot: complete, {total:,} rows in {elapsed:.1f} s ({record['rows_per_s']:,} rows/s); "
         f"the stream may start from {record['consistent_point']}")
     return {"status": "complete", "already_complete": False, **record, "stats": stats}
+
+
+def _record_position(conf: dict, slot: str, consistent_lsn: int) -> None:
+    """The slot's first position record: its consistent point on this server (slot_position.py)."""
+    repl = source.connect(conf, replication=True)
+    try:
+        identity = slot_position.identify(repl)
+    finally:
+        repl.close()
+    control.put(conf, slot_position.key(slot), slot_position.record(identity, consistent_lsn))
 
 
 def _register_all(conf: dict, tables: dict[str, catalog.Table], topics: dict[str, str]) -> dict[str, tuple]:

@@ -154,8 +154,14 @@ def _create_slot(conf: dict, slot: str):
     conn = source.connect(conf, replication=True, keepalives=1, keepalives_idle=30,
                           settings={"idle_session_timeout": "0", "idle_in_transaction_session_timeout": "0",
                                     "statement_timeout": "0"})
+    failover = bool(config.get(conf, "source.failover_slot"))
+    if failover and conn.server_version < 170000:
+        conn.close()
+        raise SnapshotError(f"source.failover_slot is true, but failover slots need PostgreSQL 17 or newer (this "
+                            f"server is {conn.server_version}): upgrade, or set source.failover_slot: false")
     if conn.server_version >= 150000:
-        command = f"CREATE_REPLICATION_SLOT {sql_ident(slot)} LOGICAL {PLUGIN} (SNAPSHOT 'export')"
+        options = "SNAPSHOT 'export', FAILOVER true" if failover else "SNAPSHOT 'export'"
+        command = f"CREATE_REPLICATION_SLOT {sql_ident(slot)} LOGICAL {PLUGIN} ({options})"
     else:
         command = f"CREATE_REPLICATION_SLOT {sql_ident(slot)} LOGICAL {PLUGIN} EXPORT_SNAPSHOT"
     try:

@@ -73,7 +73,7 @@ def encode(rows, table: catalog.Table, conf: dict, key_schema: dict, value_schem
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import to_avro
 
-    value_record = value_schema["fields"][0]["type"][1]  # the Value record, defined in 'before'
+    value_record = avro_schemas.value_record(value_schema)
     names = avro_schemas.field_names(table.columns)
     key_struct = F.struct(*[F.col(names[c]) for c in table.primary_key])
     after = F.struct(*[F.col(f["field"]) for f in fields])
@@ -133,7 +133,7 @@ def retract_stale_keys(conf: dict, spark, table: catalog.Table, topic: str, sche
     if not any(earlier.values()):
         return 0
     key_schema, value_schema, key_id, value_id = schemas
-    value_record = value_schema["fields"][0]["type"][1]
+    value_record = avro_schemas.value_record(value_schema)
     names = avro_schemas.field_names(table.columns)
     key_fields = {names[c] for c in table.primary_key}
     plain = [f["name"] for f in value_record["fields"]

@@ -32,6 +32,7 @@ from lib.capture import (
     pgtypes,
     relations,
     replication,
+    slot_position,
     streamed_transactions,
 )
 from lib.capture.pgoutput import PgOutputError, lsn_to_str, protocol_options, str_to_lsn
@@ -175,7 +176,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
             st.relations.keys[table.qualified] = declared[name]
     _check_topics(st)
     st.control = control.Tail(conf)
-    st.control.catch_up()
+    records = st.control.catch_up()
     incremental_chunks.check_requests(st)
     st.registry = schema_registry.client(conf)
     st.producer = Producer(kafka_client.settings(conf, **{**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer")
@@ -183,6 +184,8 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
                                                         "client.id": f"cdc-stream-{st.slot}"}))
     options = f"{pgtypes.session_options()} {pg_options}".strip()
     st.repl = source.connect(conf, replication=True, options=options)
+    _check_position(st, slot_row, records)
+    _ensure_failover(st)
     cursor = st.repl.cursor()
     version = st.repl.server_version
     proto = protocol_options(version)
@@ -203,6 +206,34 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
            f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']}; {native.REASON})")
 
 
+def _check_position(st: State, slot_row: tuple, records: dict) -> None:
+    """The slot continues what this capture confirmed last (slot_position.py); the record gates feedback from now."""
+    st.identity = slot_position.identify(st.repl)
+    recorded = records.get(slot_position.key(st.slot))
+    server = f"{config.get(st.conf, 'source.host')}:{config.get(st.conf, 'source.port')}"
+    slot_position.check(st.slot, recorded, st.acks.acked, st.identity,
+                        lambda timeline: slot_position.history(st.repl, timeline), server)
+    st.acks.recorded = max(st.acks.acked, str_to_lsn(recorded["lsn"]) if recorded else 0)
+    if not recorded or recorded.get("timeline") != st.identity["timeline"]:
+        st.acks.recorded, st.acks.record_due = st.acks.acked, True  # record this server's identity now
+
+
+def _ensure_failover(st: State) -> None:
+    """With source.failover_slot, the slot is a failover slot (one made before the setting is altered to be one)."""
+    if not config.get(st.conf, "source.failover_slot"):
+        return
+    if st.repl.server_version < 170000:
+        raise StreamError(f"source.failover_slot is true, but failover slots need PostgreSQL 17 or newer (this server "
+                          f"is {st.repl.server_version}): upgrade, or set source.failover_slot: false")
+    with st.sql.cursor() as cur:
+        cur.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (st.slot,))
+        row = cur.fetchone()
+    if row and not row[0]:
+        with st.repl.cursor() as cur:
+            cur.execute(f"ALTER_REPLICATION_SLOT {_quote_ident(st.slot)} (FAILOVER true)")
+        st.log(f"stream    slot {st.slot} is now a failover slot (source.failover_slot)")
+
+
 def _wait_for_slot(st: State, timeout_s: float = 20.0) -> tuple:
     """The slot's row (plugin, database, active_pid, confirmed_flush_lsn) once no other process holds it."""
     deadline = time.monotonic() + timeout_s
@@ -212,8 +243,12 @@ def _wait_for_slot(st: State, timeout_s: float = 20.0) -> tuple:
                         "WHERE slot_name = %s", (st.slot,))
             row = cur.fetchone()
             if row is None:
-                raise StreamError(f"replication slot {st.slot} (source.slot) does not exist: run notebook 01 "
-                                  f"(bootstrap) and notebook 02 (snapshot) to create and fill it")
+                raise StreamError(
+                    f"replication slot {st.slot} (source.slot) does not exist on {config.get(st.conf, 'source.host')}"
+                    f":{config.get(st.conf, 'source.port')}, but its snapshot is complete: the slot was dropped, "
+                    f"invalidated, or lost in a failover to a standby that had no failover slot, and the changes "
+                    f"since the capture last confirmed are lost to the stream. Do not create it by hand: "
+                    f"{slot_position.REMEDY}")
             if row[0] != "pgoutput" or row[1] != st.database:
                 raise StreamError(f"replication slot {st.slot} uses plugin {row[0]} in database {row[1]}, but the "
                                   f"capture needs pgoutput in {st.database} (source.database); use another "
@@ -260,13 +295,15 @@ def _close(st: State, failure: BaseException | None) -> BaseException | None:
         if (failure is None and late is None and not st.acks.inflight and st.tx is None and not st.spools.files
                 and not st.decoder.in_stream and st.cursor is not None):
             delivery.ack(st, st.cursor.wal_end)  # everything read was delivered: the server's position is safe
+        if st.cursor is not None and st.identity is not None:
+            slot_position.record_now(st, 10.0)  # the slot hears of a position only once its record is in Kafka
         if st.until == "caught_up" and failure is None and late is None:  # only later commits may be unsent
             st.caught_up = st.stop_reason == "caught_up" and all(t[3] >= st.acks.target for t in st.acks.inflight)
     if st.cursor is not None:
         with contextlib.suppress(psycopg2.Error):
-            st.cursor.acknowledge(st.acks.acked)
+            slot_position.release(st)
             st.cursor.send_status()
-            st.acks.sent_feedback = st.acks.acked
+            st.acks.sent_feedback = st.cursor.flushed
     for conn in (st.repl, st.sql):
         if conn is not None:
             with contextlib.suppress(psycopg2.Error):
@@ -382,9 +419,10 @@ def _tick(st: State) -> bool:
         st.stop_reason = "max_seconds"
     elif st.until == "caught_up" and _caught_up(st):
         st.stop_reason = "caught_up"
-    if st.acks.acked != st.acks.sent_feedback and now - st.acks.last_feedback >= 1.0:
+    slot_position.maybe_record(st, now)
+    if st.cursor.flushed != st.acks.sent_feedback and now - st.acks.last_feedback >= 1.0:
         st.cursor.send_status()
-        st.acks.sent_feedback, st.acks.last_feedback = st.acks.acked, now
+        st.acks.sent_feedback, st.acks.last_feedback = st.cursor.flushed, now
     if st.heartbeat_s and now - st.last_heartbeat >= st.heartbeat_s:
         st.last_heartbeat = now
         _heartbeat(st)

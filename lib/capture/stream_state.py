@@ -32,6 +32,10 @@ class Acks:
     def __init__(self) -> None:
         self.start_lsn = self.acked = self.target = 0  # slot position at start, confirmed now, the catch-up target
         self.sent_feedback = 0  # the position the server was last told
+        self.recorded = 0  # the newest position the control topic's position record holds (slot_position.py)
+        self.recording: int | None = None  # a position whose record Kafka has not acknowledged yet
+        self.last_record = 0.0
+        self.record_due = False  # no record of this server yet: write one even if the position does not move
         self.last_feedback = time.monotonic()
         self.server_lsn: int | None = None
         self.inflight: deque[list] = deque()  # per transaction: [pending, end_lsn, commit_ms, commit_lsn, error]
@@ -95,6 +99,7 @@ class State:
         self.stop_reason: str | None = None
         self.sql = self.repl = self.cursor = self.producer = self.registry = None
         self.control: control.Tail | None = None  # the control topic, read as it grows (incremental requests)
+        self.identity: dict | None = None  # the server's system identifier and timeline (slot_position.py)
         self.acks, self.relations, self.spools, self.chunks = Acks(), Relations(), Spools(), Chunks(conf)
         self.decoder = Decoder()
         self.tx: events.Tx | None = None  # the transaction being sent (Begin..Commit, or a replayed stream)

@@ -81,8 +81,8 @@ def _source_frame(conf: dict, spark: SparkSession, conn, table: catalog.Table, s
                                          int(config.get(conf, "snapshot.max_partitions")),
                                          spark_session.cores(spark) or 2, by_blocks=copy)
     rows, fields = snapshot_read.read_table(conf, spark, table, snapshot, plan, unknown_types, login=login)
-    record = avro_schemas.value_schema(table, config.get(conf, "kafka.topic_prefix"), unknown_types)[
-        "fields"][0]["type"][1]  # the Value record, defined in 'before'
+    record = avro_schemas.value_record(avro_schemas.value_schema(table, config.get(conf, "kafka.topic_prefix"),
+                                                                 unknown_types))
     wire = schema_registry.canonical_json(snapshot_write.wire_record(record, fields))
     after = F.struct(*[F.col(quote(f["field"])) for f in fields])
     decoded = rows.select(from_avro(to_avro(after, wire), json.dumps(record)).alias("r"))
@@ -127,6 +127,9 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
     else:  # a caller's connection: read in a transaction of our own, rolled back at the end
         autocommit, conn.autocommit = conn.autocommit, False
         login = _login(conf, conn)
+        with conn.cursor() as cur:  # the text forms the key split points are read in; undone by the rollback
+            for name, value in pgtypes.SESSION_SETTINGS.items():
+                cur.execute("SELECT set_config(%s, %s, true)", (name, value))
     results = []
     try:
         with conn.cursor() as cur:  # every table read inside this one snapshot, exported while conn stays open

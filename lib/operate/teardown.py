@@ -127,7 +127,8 @@ def run(conf: dict, topics: bool = False, confirm: bool = False, log=print) -> d
         dropped.append(f"publication {p['publication']}")
     if p["snapshot_record"] and not (topics and control.topic(conf) in p["topics"]):
         control.put(conf, f"snapshot/{p['slot']}", None)
-        dropped.append(f"control record snapshot/{p['slot']}")
+        control.put(conf, f"position/{p['slot']}", None)  # the capture's last confirmed position (slot_position.py)
+        dropped.append(f"control records snapshot/{p['slot']} and position/{p['slot']}")
     if p["topics"]:
         _delete_topics(conf, list(p["topics"]))
         dropped.append(f"{len(p['topics'])} topic(s)")

@@ -168,8 +168,8 @@ def server_options(conf: dict, where: dict[str, Path]) -> str:
     return " ".join(f"-c {key}={value}" for key, value in options.items())
 
 
-def start(conf: dict, stack_dir: Path, log=print) -> None:
-    """Start the cluster (initialising it on first use) and make the roles and databases."""
+def start(conf: dict, stack_dir: Path, log=print, roles: bool = True) -> None:
+    """Start the cluster (initialising it on first use) and make the roles and databases (not on a standby)."""
     where = layout(stack_dir, conf)
     port = int(config.get(conf, "source.port"))
     tls.ensure(stack_dir, log=log)
@@ -192,7 +192,8 @@ def start(conf: dict, stack_dir: Path, log=print) -> None:
             raise StackError(f"postgres did not start on port {port}; see {where['log']}",
                              details=process.tail(where["log"], 15))
         log(f"postgres  started on port {port}")
-    ensure_roles(conf, where)
+    if roles:
+        ensure_roles(conf, where)
 
 
 def reload(conf: dict, where: dict[str, Path]) -> None:
