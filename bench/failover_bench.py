@@ -85,9 +85,11 @@ def main() -> int:
         print(f"capture stopped by the crash: {type(failures[0]).__name__ if failures else 'no'}")
         print(f"crash -> standby promoted: {promoted - crashed:.1f} s")
         print(f"promoted -> capture caught up on the new primary: {resumed - promoted:.1f} s "
-              f"({metrics['events']} events sent: nothing was written after the promotion, so each is one the crashed "
-              f"run had read but the synchronised copy of the slot had not confirmed)")
-        print(f"merge catch-up after that: {merged - resumed:.1f} s ({caught.get('batches')} batch(es))")
+              f"({metrics['events']} events sent from the synchronised copy's position; nothing was written after "
+              f"the promotion, so each committed before the crash, and those the crashed run had delivered are "
+              f"sent again)")
+        print(f"merge from nothing after that (the snapshot and every change): {merged - resumed:.1f} s "
+              f"({caught.get('batches')} batch(es))")
         print(f"reconcile: {'exact' if exact else results}")
         print(f"after: {bench_env.machine()}", flush=True)
         return 0 if exact else 1
