@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -227,10 +228,15 @@ def run(args, log) -> dict:
         return {"samples": samples, "caught_up_s": caught_up_s, "transactions": counts["transactions"],
                 "writer_error": counts.get("error"), "minutes": minutes, "ddls": ddls, "big": big,
                 "exact": {r["table"]: r["equal"] for r in results},
-                "rows": {r["table"]: r["source_rows"] for r in results}}
+                "rows": {r["table"]: r["source_rows"] for r in results},
+                "differences": {r["table"]: {"silver_rows": r["silver_rows"],
+                                             "first": (r.get("differences") or [])[:10]}
+                                for r in results if not r["equal"]}}
     finally:
         stop.set()
         service.stop(conf, log=lambda *a: None)
+        if os.environ.get("SOAK_KEEP_LOGS"):  # the services' logs, for a run that did not end as it should
+            shutil.copytree(os.path.join(folder, "services"), os.environ["SOAK_KEEP_LOGS"], dirs_exist_ok=True)
         bench_env.finish(conf, folder, spark, log=log)
 
 
@@ -249,6 +255,8 @@ def report(args, result: dict, before: str, after: str) -> str:
     exact = all(result["exact"].values())
     lines += ["", f"{result['transactions']:,} transactions; caught up {result['caught_up_s']} s after the writes; "
                   f"reconciled: {'every table exact' if exact else result['exact']} (rows {result['rows']})"]
+    for table, found in result["differences"].items():
+        lines.append(f"{table} differs: {found}")
     if result["writer_error"]:
         lines.append(f"the writer stopped early: {result['writer_error']}")
     if args.mixed:

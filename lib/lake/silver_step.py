@@ -130,16 +130,21 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
 
 
 def _counted(pending, topics: dict[str, str]) -> dict[str, dict]:
-    """Per table in the pending rows: its events (truncates left out), those with TOAST-unchanged columns, and the
-    last offset of each partition of its topic."""
+    """Per table in the pending rows: its events (truncates left out), those with TOAST-unchanged columns, the
+    writer schema ids of their values and keys, and the last offset of each partition of its topic."""
     event = (F.col("op") != bronze_log.TRUNCATE_OP) | F.col("op").isNull()
     counted: dict[str, dict] = {}
     for row in pending.groupBy("_table", "_kafka_topic", "_kafka_partition").agg(
             F.count(F.when(event, 1)).alias("n"), F.count(F.when(F.size("unchanged_cols") > 0, 1)).alias("toast"),
-            F.max(F.when(event, F.col("_kafka_offset"))).alias("last")).collect():
-        table = counted.setdefault(row["_table"], {"n": 0, "toast": 0, "offsets": {}})
+            F.max(F.when(event, F.col("_kafka_offset"))).alias("last"),
+            F.collect_set("_value_schema_id").alias("value_ids"), F.collect_set("_key_schema_id").alias("key_ids"),
+    ).collect():
+        table = counted.setdefault(row["_table"], {"n": 0, "toast": 0, "offsets": {}, "value_ids": set(),
+                                                   "key_ids": set()})
         table["n"] += row["n"]
         table["toast"] += row["toast"]
+        table["value_ids"].update(int(i) for i in row["value_ids"] if i is not None)
+        table["key_ids"].update(int(i) for i in row["key_ids"] if i is not None)
         if row["_kafka_topic"] == topics.get(row["_table"]) and row["last"] is not None:
             table["offsets"][int(row["_kafka_partition"])] = int(row["last"])
     return counted
@@ -190,7 +195,10 @@ def _step_table(spark: SparkSession, prog: Progress, spec, seq: int, pending, co
     cut = cuts.get(spec.qualified)
     pending_cut = cut if cut is not None and prog.truncates.get(spec.qualified) != cut \
         and silver_table.truncate_pending(spark, silver, cut) else None
-    layout = writer_schemas.table_layout(spark, prog.schemas, spec, set(), set())
+    # the ids the pending events were written with: a version newer than the cached ones (a column added while the
+    # merge runs) makes the layout ask the registry again, so silver gets the new column
+    layout = writer_schemas.table_layout(spark, prog.schemas, spec, counted["value_ids"] if counted else set(),
+                                         counted["key_ids"] if counted else set())
     events = bronze_log.events(spark, path, spec.qualified, done, seq, layout.key, layout.row, log=pending)
     # per partition, the log holds the topic's offsets in order: silver now holds every offset up to the last one
     offsets = dict(prog.offsets.get(spec.qualified, {}))
