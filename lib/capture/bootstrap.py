@@ -15,7 +15,7 @@ import psycopg2.errors
 from psycopg2 import sql
 
 from lib import config, control, kafka_client, schema_registry, source, topics
-from lib.capture import avro_schemas, catalog, pgtypes
+from lib.capture import avro_schemas, catalog, pgtypes, slot_position
 
 
 class BootstrapError(RuntimeError):
@@ -208,10 +208,10 @@ def failover_findings(conn, conf: dict) -> list[Finding]:
     """With source.failover_slot: PostgreSQL 17+, and the primary holds back WAL its standbys have not confirmed."""
     if not config.get(conf, "source.failover_slot"):
         return []
-    if conn.server_version < 170000:
+    refusal = slot_position.failover_refusal(conf, conn.server_version)
+    if refusal:
         return [Finding("failover slots (source.failover_slot)", False, f"server_version_num = {conn.server_version}",
-                        "failover slots need PostgreSQL 17 or newer: upgrade, or set source.failover_slot: false "
-                        "(after a failover the capture then stops and asks for a new snapshot)")]
+                        refusal)]
     with conn.cursor() as cur:
         cur.execute("SELECT current_setting('synchronized_standby_slots')")
         standby_slots = cur.fetchone()[0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 
-from lib import control
+from lib import config, control
 from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.capture.stream_state import State, StreamError
 
@@ -29,6 +29,15 @@ RECORD_INTERVAL_S = 1.0  # how often a moving position is recorded: the cadence 
 REMEDY = ("take a new snapshot (notebook 02 with resnapshot=True, or lib.capture.snapshot.run(conf, spark, "
           "resnapshot=True)); to keep a capture across failovers use failover slots (docs/reliability.md, "
           "\"Failover\")")
+
+
+def failover_refusal(conf: dict, server_version: int) -> str | None:
+    """Why source.failover_slot cannot be honoured on this server, or None (failover slots: PostgreSQL 17+)."""
+    if not config.get(conf, "source.failover_slot") or server_version >= 170000:
+        return None
+    return (f"source.failover_slot is true, but failover slots need PostgreSQL 17 or newer (this server is "
+            f"{server_version}): upgrade, or set source.failover_slot: false (after a failover the capture then "
+            f"stops and asks for a new snapshot)")
 
 
 def key(slot: str) -> str:
@@ -129,12 +138,11 @@ def _recorded(st: State, lsn: int, err, msg) -> None:
 
 def record_now(st: State, timeout_s: float) -> None:
     """At the capture's stop: record the acknowledged position and wait for Kafka (bounded)."""
-    if st.acks.recording is None:
-        maybe_record(st, time.monotonic(), force=True)
     deadline = time.monotonic() + timeout_s
-    while st.acks.recording is not None and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if st.acks.recording is None:  # none in flight (or one for a smaller position came back): send the newest
+            if st.acks.acked <= st.acks.recorded and not st.acks.record_due:
+                return
+            maybe_record(st, time.monotonic(), force=True)
         st.producer.poll(0.1)
-    if ((st.acks.acked > st.acks.recorded or st.acks.record_due) and st.acks.recording is None
-            and time.monotonic() < deadline):
-        record_now(st, deadline - time.monotonic())  # a record sent earlier for a smaller position came back first
 

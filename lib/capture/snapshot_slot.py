@@ -8,6 +8,7 @@ import time
 import psycopg2
 
 from lib import config, control, source
+from lib.capture import slot_position
 from lib.capture.catalog import sql_ident, sql_literal
 from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 
@@ -155,10 +156,10 @@ def _create_slot(conf: dict, slot: str):
                           settings={"idle_session_timeout": "0", "idle_in_transaction_session_timeout": "0",
                                     "statement_timeout": "0"})
     failover = bool(config.get(conf, "source.failover_slot"))
-    if failover and conn.server_version < 170000:
+    refusal = slot_position.failover_refusal(conf, conn.server_version)
+    if refusal:
         conn.close()
-        raise SnapshotError(f"source.failover_slot is true, but failover slots need PostgreSQL 17 or newer (this "
-                            f"server is {conn.server_version}): upgrade, or set source.failover_slot: false")
+        raise SnapshotError(refusal)
     if conn.server_version >= 150000:
         options = "SNAPSHOT 'export', FAILOVER true" if failover else "SNAPSHOT 'export'"
         command = f"CREATE_REPLICATION_SLOT {sql_ident(slot)} LOGICAL {PLUGIN} ({options})"

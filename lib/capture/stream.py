@@ -184,7 +184,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
                                                         "client.id": f"cdc-stream-{st.slot}"}))
     options = f"{pgtypes.session_options()} {pg_options}".strip()
     st.repl = source.connect(conf, replication=True, options=options)
-    _check_position(st, slot_row, records)
+    _check_position(st, records)
     _ensure_failover(st)
     cursor = st.repl.cursor()
     version = st.repl.server_version
@@ -206,15 +206,16 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
            f"(PostgreSQL {version // 10000}, protocol {proto['proto_version']}; {native.REASON})")
 
 
-def _check_position(st: State, slot_row: tuple, records: dict) -> None:
+def _check_position(st: State, records: dict) -> None:
     """The slot continues what this capture confirmed last (slot_position.py); the record gates feedback from now."""
     st.identity = slot_position.identify(st.repl)
     recorded = records.get(slot_position.key(st.slot))
     server = f"{config.get(st.conf, 'source.host')}:{config.get(st.conf, 'source.port')}"
     slot_position.check(st.slot, recorded, st.acks.acked, st.identity,
                         lambda timeline: slot_position.history(st.repl, timeline), server)
-    st.acks.recorded = max(st.acks.acked, str_to_lsn(recorded["lsn"]) if recorded else 0)
-    if not recorded or recorded.get("timeline") != st.identity["timeline"]:
+    if recorded and recorded.get("timeline") == st.identity["timeline"]:
+        st.acks.recorded = max(st.acks.acked, str_to_lsn(recorded["lsn"]))
+    else:
         st.acks.recorded, st.acks.record_due = st.acks.acked, True  # record this server's identity now
 
 
@@ -222,9 +223,9 @@ def _ensure_failover(st: State) -> None:
     """With source.failover_slot, the slot is a failover slot (one made before the setting is altered to be one)."""
     if not config.get(st.conf, "source.failover_slot"):
         return
-    if st.repl.server_version < 170000:
-        raise StreamError(f"source.failover_slot is true, but failover slots need PostgreSQL 17 or newer (this server "
-                          f"is {st.repl.server_version}): upgrade, or set source.failover_slot: false")
+    refusal = slot_position.failover_refusal(st.conf, st.repl.server_version)
+    if refusal:
+        raise StreamError(refusal)
     with st.sql.cursor() as cur:
         cur.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (st.slot,))
         row = cur.fetchone()

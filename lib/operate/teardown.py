@@ -22,7 +22,7 @@ import sys
 from psycopg2 import sql
 
 from lib import config, control, kafka_client, schema_registry, source
-from lib.capture import incremental
+from lib.capture import incremental, slot_position
 from lib.lake import lake_paths
 from lib.operate import monitor, service
 
@@ -127,8 +127,8 @@ def run(conf: dict, topics: bool = False, confirm: bool = False, log=print) -> d
         dropped.append(f"publication {p['publication']}")
     if p["snapshot_record"] and not (topics and control.topic(conf) in p["topics"]):
         control.put(conf, f"snapshot/{p['slot']}", None)
-        control.put(conf, f"position/{p['slot']}", None)  # the capture's last confirmed position (slot_position.py)
-        dropped.append(f"control records snapshot/{p['slot']} and position/{p['slot']}")
+        control.put(conf, slot_position.key(p["slot"]), None)  # the capture's last confirmed position
+        dropped.append(f"control records snapshot/{p['slot']} and {slot_position.key(p['slot'])}")
     if p["topics"]:
         _delete_topics(conf, list(p["topics"]))
         dropped.append(f"{len(p['topics'])} topic(s)")
