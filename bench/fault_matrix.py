@@ -33,7 +33,7 @@ from lib import config, source  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths, reconcile  # noqa: E402
 from lib.local import stack  # noqa: E402
-from lib.local.stack import kafka, postgres, process, registry  # noqa: E402
+from lib.local.stack import kafka, kafka_brokers, postgres, process, registry  # noqa: E402
 from lib.operate import keeper, metrics, monitor, service, tables  # noqa: E402
 
 TABLES = ["bank.customers", "bank.account_holders", "bank.transactions"]
@@ -42,6 +42,8 @@ RATE = 8.0  # workload business transactions per second
 KAFKA_DOWN_S = 45.0  # how long kafka_kill keeps the broker down (at least: until both keepers wait for it)
 CHILDREN_KILLED_AFTER_S = 10.0  # how far into the broker's outage kafka_kill kills capture and merge
 LAKE_FS_SIZE = "64m"  # disk_full's lake filesystem
+BROKERS_DOWN_S = 60.0  # how long brokers keeps two of its three brokers down
+DELIVERY_TIMEOUT_MS = 30_000  # brokers: the capture's delivery timeout (kafka.producer message.timeout.ms)
 DOC = bench_env.REPO / "docs" / "reliability.md"
 BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
 
@@ -388,11 +390,40 @@ def case_disk_full(ctx: dict, cycles: int, log) -> float:
     return time.monotonic()
 
 
+def case_brokers(ctx: dict, cycles: int, log) -> float:
+    """On three brokers (replication factor 3, min.insync.replicas 2): kill -9 the leader of the busiest table
+    partition; 15 s after a new leader took over, kill -9 a second broker (the controller quorum is lost: nothing can
+    be written), keep it down BROKERS_DOWN_S (past the capture's delivery timeout, 30 s here); both started again."""
+    conf = ctx["conf"]
+    names = [spec.topic for spec in lake_paths.table_specs(conf)]
+    for cycle in range(cycles):
+        busiest, leader = kafka_brokers.busiest_partition(conf, names)
+        kafka_brokers.kill(conf, leader)
+        elected_s = kafka_brokers.wait_new_leader(conf, busiest, leader)
+        time.sleep(15)
+        second = next(n for n in kafka_brokers.NODES if n != leader)
+        kafka_brokers.kill(conf, second)
+        down_at = time.monotonic()
+        bench_env.wait_for(lambda: keeper.state(conf, "capture")["state"] == "waiting", 300,
+                           "the capture's keeper to wait for Kafka", poll_s=0.5)
+        waiting_s = time.monotonic() - down_at
+        time.sleep(max(0.0, BROKERS_DOWN_S - (time.monotonic() - down_at)))
+        kafka_brokers.up(conf, log=quiet)
+        ended = time.monotonic()
+        log(f"  cycle {cycle + 1}: leader {leader} of {busiest[0]}[{busiest[1]}] killed (-9), new leader after "
+            f"{elected_s:.1f} s; broker {second} killed 15 s later, the capture's keeper waiting {waiting_s:.0f} s "
+            f"after; both down until {ended - down_at:.0f} s, started again")
+        wait_running(conf)
+    return ended
+
+
 # name: (inject, default cycles, services whose keeper must be seen waiting for the missing dependency)
 CASES = {"kafka_kill": (case_kafka_kill, 2, SERVICES), "postgres_restart": (case_postgres_restart, 2, ("capture",)),
          "registry_down": (case_registry_down, 1, ("capture",)), "kill_cycles": (case_kill_cycles, 10, ()),
          "long_transaction": (case_long_transaction, 1, ()), "key_update": (case_key_update, 1, ()),
-         "rekey_ddl": (case_rekey_ddl, 2, ()), "disk_full": (case_disk_full, 1, ())}
+         "rekey_ddl": (case_rekey_ddl, 2, ()), "disk_full": (case_disk_full, 1, ()),
+         "brokers": (case_brokers, 1, ("capture",))}
+OWN_STACK = ("disk_full", "brokers")  # cases that run on a pipeline of their own (a small lake, three brokers)
 
 
 # checks
@@ -532,13 +563,14 @@ def new_context(spark, seed: int, log, lake_root: str | None = None, overrides: 
 def run_matrix(names: list[str], cycles: int | None, seed: int, spark, log=print) -> list[dict]:
     """The named cases in order on one pipeline, then disk_full on one of its own; their result rows."""
     rows = []
-    for group in ([n for n in names if n != "disk_full"], [n for n in names if n == "disk_full"]):
+    for group in ([n for n in names if n not in OWN_STACK], *([n] for n in OWN_STACK if n in names)):
         if not group:
             continue
         mount = tmpfs() if group == ["disk_full"] else None
+        overrides = three_brokers(log) if group == ["brokers"] else None
         ctx = None
         try:
-            ctx = new_context(spark, seed, log, lake_root=mount)
+            ctx = new_context(spark, seed, log, lake_root=mount, overrides=overrides)
             for name in group:
                 log(f"{name}: {' '.join(CASES[name][0].__doc__.split())}")
                 rows.append(run_case(name, cycles or CASES[name][1], ctx, log))
@@ -550,6 +582,15 @@ def run_matrix(names: list[str], cycles: int | None, seed: int, spark, log=print
                 subprocess.run(["umount", mount], check=False)
                 os.rmdir(mount)
     return rows
+
+
+def three_brokers(log) -> dict:
+    """Start the three brokers (lib/local/stack/kafka_brokers.py); the settings that point a pipeline at them."""
+    three = kafka_brokers.up(config.load("local"), log=quiet)
+    log(f"brokers   {config.get(three, 'kafka.bootstrap_servers')}: replication factor 3, min.insync.replicas 2")
+    return {"CDC__KAFKA__BOOTSTRAP_SERVERS": config.get(three, "kafka.bootstrap_servers"),
+            "CDC__KAFKA__REPLICATION_FACTOR": "3", "CDC__KAFKA__MIN_INSYNC_REPLICAS": "2",
+            "CDC__KAFKA__PRODUCER": f"{{message.timeout.ms: {DELIVERY_TIMEOUT_MS}}}"}
 
 
 def tmpfs(size: str = LAKE_FS_SIZE) -> str:

@@ -113,6 +113,8 @@ DEFAULTS: dict[str, object] = {
     "source.sslrootcert": None,  # PEM file of the server's CA, for sslmode verify-ca / verify-full
     "kafka.partitions": 1,
     "kafka.topics": {},  # schema.table -> its topic, when not <topic_prefix>.<schema>.<table> (a re-keyed table)
+    "kafka.replication_factor": None,  # of the topics the pipeline creates (None: the brokers' default)
+    "kafka.min_insync_replicas": None,  # their min.insync.replicas (None: the brokers' default)
     "kafka.delete_retention_ms": 7 * 24 * 3600 * 1000,  # how long a tombstone stays before compaction drops it
     "kafka.producer": None,  # librdkafka settings over the capture's defaults
     "kafka.security_protocol": "PLAINTEXT",  # SSL, SASL_PLAINTEXT or SASL_SSL (lib/kafka_client.py)

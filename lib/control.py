@@ -54,7 +54,7 @@ def ensure(conf: dict) -> str:
     """Create the control topic (compacted, one partition, short segments) if missing; 'created' or 'exists'."""
     admin = kafka_client.admin(conf)
     name = topic(conf)
-    result = topics.ensure_topics(admin, [name], partitions=1, config=SEGMENT_SETTINGS)[name]
+    result = topics.ensure_topics(admin, [name], partitions=1, config=SEGMENT_SETTINGS, **topics.durability(conf))[name]
     if result == "exists":  # made before these settings: give it them (harmless to set again)
         try:
             topics.set_configs(admin, name, SEGMENT_SETTINGS)

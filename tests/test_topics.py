@@ -84,6 +84,19 @@ def test_topic_with_other_partition_count_is_refused(admin, names):
     assert "kafka.partitions" in message
 
 
+def test_an_existing_topic_with_less_durability_than_conf_asks_is_refused(admin, names):
+    name = names[0]
+    assert topics.ensure_topics(admin, [name], 1, min_insync_replicas=1) == {name: "created"}
+    assert describe(admin, name)["min.insync.replicas"] == "1"
+    with pytest.raises(TopicMismatchError, match=rf"topic {name} exists with replication factor 1, but "
+                                                 r"kafka.replication_factor is 3: .*kafka-reassign-partitions"):
+        topics.ensure_topics(admin, [name], 1, replication_factor=3)
+    with pytest.raises(TopicMismatchError, match=rf"topic {name} exists with min.insync.replicas=1, but "
+                                                 r"kafka.min_insync_replicas is 2; remedy: kafka-configs.sh"):
+        topics.ensure_topics(admin, [name], 1, min_insync_replicas=2)
+    assert topics.ensure_topics(admin, [name], 1, replication_factor=1, min_insync_replicas=1) == {name: "exists"}
+
+
 def test_cleanup_policy_override_is_rejected(admin, names):
     with pytest.raises(ValueError, match="cleanup.policy must stay 'compact'"):
         topics.ensure_topics(admin, [names[0]], 3, {"cleanup.policy": "delete"})

@@ -309,7 +309,7 @@ def ensure_topics(conf: dict, tables: dict[str, catalog.Table]) -> dict[str, str
     names = [avro_schemas.topic_for(conf, t) for t in tables.values()]
     retention_ms = int(config.get(conf, "kafka.delete_retention_ms"))
     report = topics.ensure_topics(admin, names, int(config.get(conf, "kafka.partitions")),
-                                  delete_retention_ms=retention_ms)
+                                  delete_retention_ms=retention_ms, **topics.durability(conf))
     report[control.topic(conf)] = control.ensure(conf)
     return report
 

@@ -7,13 +7,22 @@ import time
 
 import psycopg2
 import psycopg2.errors
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Producer
 
-from lib import config
+from lib import config, kafka_client, topics
 from lib.capture import events, slot_position
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.stream_state import DeliveryError, State, StreamError
 
+PRODUCER_DEFAULTS = {
+    "enable.idempotence": True,  # per-partition order and no duplicates from producer retries
+    "acks": "all",
+    "partitioner": "murmur2_random",  # Java's default: the same key lands where Spark/Kafka Connect put it
+    "linger.ms": 20,
+    "compression.type": "lz4",
+    "queue.buffering.max.messages": 100_000,
+    "queue.buffering.max.kbytes": 65_536,
+}
 KEEPALIVE_S = 5.0  # while blocked (full producer queue, long replay) a status message goes out this often
 FLUSH_TIMEOUT_S = 30.0
 
@@ -78,20 +87,51 @@ def produce(st: State, plan: events.Plan, pairs: list) -> None:
             st.per_table[plan.qualified] += 1
 
 
+def producer(conf: dict, slot: str) -> tuple[Producer, float]:
+    """The capture's producer (PRODUCER_DEFAULTS under kafka.producer) and its delivery timeout in seconds."""
+    settings = {**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer") or {})}
+    return (Producer(kafka_client.settings(conf, **{**settings, "message.timeout.ms": 0,
+                                                   "client.id": f"cdc-stream-{slot}"})), timeout_s(settings))
+
+
+def timeout_s(producer_settings: dict) -> float:
+    """How long the capture waits for Kafka to acknowledge anything of its oldest transaction: message.timeout.ms of
+    kafka.producer (librdkafka's default, 300 s, if unset).
+
+    The capture applies it itself and gives librdkafka no timeout: a message librdkafka times out leaves a gap that
+    later messages of the same key fill, out of order, once the brokers take writes again."""
+    value = producer_settings.get("message.timeout.ms", 300_000)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or value <= 0:
+        raise StreamError(f"kafka.producer message.timeout.ms must be a positive number of milliseconds (how long the "
+                          f"capture waits for Kafka before it stops and resumes from the slot), not {value!r}")
+    return value / 1000
+
+
 def advance(st: State) -> None:
     """Acknowledge the end of every leading transaction whose messages Kafka all acknowledged."""
-    inflight = st.acks.inflight
+    acks = st.acks
+    inflight = acks.inflight
     moved = False
     while inflight:
         t = inflight[0]
         if t[0] or t[1] is None or t[4] is not None:
             break
         inflight.popleft()
-        st.acks.acked = max(st.acks.acked, t[1])
-        st.acks.last_commit_ms = t[2]
+        acks.acked = max(acks.acked, t[1])
+        acks.last_commit_ms = t[2]
         moved = True
     if moved:
         slot_position.release(st)
+    if inflight and inflight[0][0]:  # Kafka owes acknowledgements of the oldest transaction
+        mark = (inflight[0], inflight[0][0])
+        if mark[0] is not acks.progress[0] or mark[1] != acks.progress[1]:
+            acks.progress, acks.progress_at = mark, time.monotonic()
+        elif time.monotonic() - acks.progress_at > acks.delivery_timeout_s:
+            _stalled(st)
+    else:
+        acks.progress = (None, 0)
     if st.acks.delivery_errors:
         topic, partition, err = st.acks.delivery_errors[0]
         raise DeliveryError(
@@ -100,6 +140,34 @@ def advance(st: State) -> None:
             f"after the producer's retries (message.timeout.ms); the capture stopped without acknowledging it: "
             f"the slot stays at {lsn_to_str(st.acks.acked)} and a restart resends everything after that. Check the "
             f"brokers at {config.get(st.conf, 'kafka.bootstrap_servers')} and the topic (notebook 01)")
+
+
+def _stalled(st: State) -> None:
+    """Stop: Kafka acknowledged nothing of the oldest transaction for delivery_timeout_s."""
+    t = st.acks.inflight[0]
+    raise DeliveryError(
+        f"Kafka acknowledged none of the {t[0]} events still pending of the transaction committed at "
+        f"{lsn_to_str(t[3])} for {st.acks.delivery_timeout_s:.0f} s (message.timeout.ms of kafka.producer): "
+        f"{_why_stalled(st)}. The capture stopped without acknowledging them: the slot stays at "
+        f"{lsn_to_str(st.acks.acked)} and a restart resends everything after that, in order")
+
+
+def _why_stalled(st: State) -> str:
+    """What the cluster's metadata says of the capture's topics: one missing, a partition without a leader or
+    with too few in-sync replicas that answer, or the brokers not answering."""
+    servers = config.get(st.conf, "kafka.bootstrap_servers")
+    try:
+        metadata = kafka_client.check(st.conf, 5.0)
+        missing = [f"{topic} (table {table})" for table, topic in st.relations.topics.items()
+                   if topic not in metadata.topics]
+        if missing:
+            return f"topic {', '.join(missing)} no longer exists; run notebook 01 (bootstrap) to create it"
+        return (topics.unavailable(kafka_client.admin(st.conf), metadata, config.get(st.conf, "kafka.topic_prefix"),
+                                   writes=True)
+                or f"the brokers at {servers} answer and list leaders and in-sync replicas for every partition, "
+                   f"yet acknowledged nothing; see the brokers' logs")
+    except Exception as exc:  # noqa: BLE001 - the stop is reported either way; this only explains it
+        return f"the brokers at {servers} do not answer ({' '.join(str(exc).split())[:200]})"
 
 
 def _size_remedy(err: KafkaError, topic: str, size: int | None = None) -> str:

@@ -18,7 +18,6 @@ import time
 
 import psycopg2
 import psycopg2.errors
-from confluent_kafka import Producer
 
 from lib import config, control, kafka_client, schema_registry, source
 from lib.capture import (
@@ -41,15 +40,6 @@ from lib.capture.stream_state import DeliveryError, SnapshotIncompleteError, Sta
 UNTIL = ("caught_up", "forever")
 HEARTBEAT_PREFIX = "cdc-heartbeat"
 STATUS_INTERVAL_S = 5  # psycopg2 sends a status message at least this often while reading
-PRODUCER_DEFAULTS = {
-    "enable.idempotence": True,  # per-partition order and no duplicates from producer retries
-    "acks": "all",
-    "partitioner": "murmur2_random",  # Java's default: the same key lands where Spark/Kafka Connect put it
-    "linger.ms": 20,
-    "compression.type": "lz4",
-    "queue.buffering.max.messages": 100_000,
-    "queue.buffering.max.kbytes": 65_536,
-}
 
 # ---------------------------------------------------------------------------------------------
 # entry point
@@ -179,9 +169,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
     records = st.control.catch_up()
     incremental_chunks.check_requests(st)
     st.registry = schema_registry.client(conf)
-    st.producer = Producer(kafka_client.settings(conf, **{**PRODUCER_DEFAULTS, **(config.get(conf, "kafka.producer")
-                                                                                   or {}),
-                                                        "client.id": f"cdc-stream-{st.slot}"}))
+    st.producer, st.acks.delivery_timeout_s = delivery.producer(conf, st.slot)
     options = f"{pgtypes.session_options()} {pg_options}".strip()
     st.repl = source.connect(conf, replication=True, options=options)
     _check_position(st, records)
@@ -286,9 +274,12 @@ def _close(st: State, failure: BaseException | None) -> BaseException | None:
     """Flush Kafka, acknowledge what it acknowledged (force=True), close; returns a delivery error found now."""
     late = None
     if st.producer is not None:
-        deadline = time.monotonic() + delivery.FLUSH_TIMEOUT_S
+        deadline = time.monotonic() + (0 if isinstance(failure, DeliveryError) else delivery.FLUSH_TIMEOUT_S)
         while st.producer.flush(1.0) > 0 and time.monotonic() < deadline:
             delivery.keepalive(st, quiet=True)
+        if isinstance(failure, DeliveryError):  # Kafka stopped acknowledging: nothing more goes out of this producer
+            st.producer.purge(in_queue=True, in_flight=True)
+            st.producer.poll(0)
         try:
             delivery.advance(st)
         except DeliveryError as exc:

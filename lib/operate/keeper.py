@@ -215,7 +215,7 @@ def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
     A refusal or a conf error (a wrong password or CA, a missing secret) is not an outage: None, so the
     service starts, fails with the setting to fix, and counts toward service.max_restarts.
     """
-    from lib import kafka_client, schema_registry, secrets, source
+    from lib import kafka_client, schema_registry, secrets, source, topics
 
     misconfigured = (config.ConfigError, secrets.SecretError)
 
@@ -232,11 +232,15 @@ def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
             return None
     servers = config.get(conf, "kafka.bootstrap_servers")
     try:
-        kafka_client.check(conf, timeout_s)
+        metadata = kafka_client.check(conf, timeout_s)
     except kafka_client.KafkaUnreachableError as exc:
         return f"Kafka at {servers} ({str(exc).split(': ', 1)[-1].split(';')[0]})"
     except (kafka_client.KafkaAccessError, *misconfigured):
         return None  # refused (login, CA, protocol): not an outage; the service fails with the reason and its remedy
+    missing = topics.unavailable(kafka_client.admin(conf), metadata, config.get(conf, "kafka.topic_prefix"),
+                                 writes=name == "capture", timeout_s=timeout_s)
+    if missing:  # some brokers answer, but not those the pipeline's partitions need
+        return f"Kafka at {servers} ({missing})"
     try:
         registry = schema_registry.client(conf)
     except misconfigured:

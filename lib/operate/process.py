@@ -71,6 +71,19 @@ def stop(pid: int, timeout: float = 30.0, group: bool = False) -> None:
     reap(pid)
 
 
+def kill_now(pid: int, timeout: float = 30.0) -> None:
+    """SIGKILL (a crash: nothing flushed) and wait until the process is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reap(pid)
+        if not pid_alive(pid):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} still runs {timeout:.0f} s after SIGKILL")
+
+
 def reap(pid: int) -> None:
     """Collect a finished child so it does not linger as a zombie."""
     with contextlib.suppress(ChildProcessError):

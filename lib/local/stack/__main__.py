@@ -1,4 +1,4 @@
-"""Command line for the local stack: python -m lib.local.stack {fetch,up,down,status,logs,versions,cluster}."""
+"""Command line for the local stack: python -m lib.local.stack {fetch,up,down,status,logs,versions,cluster,brokers}."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 from lib import config
 from lib.local import stack
-from lib.local.stack import pg_versions, spark_cluster
+from lib.local.stack import kafka_brokers, pg_versions, spark_cluster
 from lib.local.stack.process import StackError
 from lib.secrets import SecretError
 from lib.source import SourceError
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--reset", action="store_true", help="drop schema bank and load it again")
     cluster = commands.add_parser("cluster", help="a Spark standalone master, its workers and a Connect server")
     cluster.add_argument("action", choices=("up", "down", "status"))
+    brokers = commands.add_parser("brokers", help="three Kafka brokers (replication factor 3) for the drills")
+    brokers.add_argument("action", choices=("up", "down", "status"))
     versions = commands.add_parser("versions", help="servers of other PostgreSQL majors (the version matrix)")
     versions.add_argument("action", choices=("up", "down", "status"))
     versions.add_argument("majors", nargs="?", help="e.g. 13,18 (default: every major in conf)")
@@ -58,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for row in spark_cluster.status(conf, folder):
                     print(f"{row['service']:15s} {row['state']:9s} {row['port']:>6}  {row['version']:11s} {row['log']}")
+        elif args.command == "brokers":
+            if args.action == "up":
+                print(f"kafka.bootstrap_servers {config.get(kafka_brokers.up(conf), 'kafka.bootstrap_servers')}")
+            elif args.action == "down":
+                kafka_brokers.down(conf)
+            else:
+                for row in kafka_brokers.status(conf):
+                    print(f"{row['service']:9s} {row['state']:9s} {row['port']:>6}  {row['version']:8s} {row['log']}")
         elif args.command == "versions":
             if args.action == "up":
                 for major, server in pg_versions.up(conf, args.majors).items():

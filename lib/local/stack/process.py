@@ -8,7 +8,7 @@ import socket
 import time
 from pathlib import Path
 
-from lib.operate.process import cmdline, pid_alive, read_pid, reap, start, stop, tail  # noqa: F401 (re-exported: the stack uses one process module)
+from lib.operate.process import cmdline, kill_now, pid_alive, read_pid, reap, start, stop, tail  # noqa: F401 (re-exported: the stack uses one process module)
 
 
 class StackError(RuntimeError):

@@ -1,0 +1,86 @@
+"""The capture's own delivery timeout and the probe of partitions that cannot take writes (pure logic)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from lib import topics
+from lib.capture import delivery
+from lib.capture.stream_state import Acks, DeliveryError, StreamError
+
+
+def _state(timeout_s: float) -> SimpleNamespace:
+    acks = Acks()
+    acks.delivery_timeout_s = timeout_s
+    return SimpleNamespace(acks=acks, conf={}, relations=SimpleNamespace(topics={}))
+
+
+def test_the_timeout_comes_from_message_timeout_ms_and_must_be_positive():
+    assert delivery.timeout_s({}) == 300.0
+    assert delivery.timeout_s({"message.timeout.ms": 20000}) == 20.0
+    assert delivery.timeout_s({"message.timeout.ms": "4000"}) == 4.0
+    with pytest.raises(StreamError, match=r"message.timeout.ms must be a positive number .* not 0"):
+        delivery.timeout_s({"message.timeout.ms": 0})
+
+
+def test_the_capture_stops_when_kafka_acknowledges_nothing_of_the_oldest_transaction(monkeypatch):
+    monkeypatch.setattr(delivery, "_why_stalled", lambda st: "topic t partition 0 has no leader that answers")
+    st = _state(0.2)
+    st.acks.acked = 100
+    st.acks.inflight.append([3, None, 0, 200, None])  # three events pending, the commit not read yet
+    delivery.advance(st)
+    time.sleep(0.1)
+    st.acks.inflight[0][0] = 2  # one acknowledged: progress, the clock starts again
+    delivery.advance(st)
+    time.sleep(0.15)
+    delivery.advance(st)  # 0.15 s without progress: below the timeout
+    time.sleep(0.1)
+    with pytest.raises(DeliveryError, match=r"none of the 2 events still pending of the transaction committed at "
+                                            r"0/C8 for 0 s .*partition 0 has no leader.*slot stays at 0/64"):
+        delivery.advance(st)
+
+
+def test_a_transaction_with_nothing_pending_is_not_a_stall():
+    st = _state(0.05)
+    st.acks.inflight.append([0, None, 0, 200, None])  # its events acknowledged, its commit still to come
+    delivery.advance(st)
+    time.sleep(0.1)
+    delivery.advance(st)
+    assert st.acks.progress == (None, 0)
+
+
+def _metadata(answering_port: int, closed_port: int, isrs: list[int]):
+    brokers = {1: SimpleNamespace(id=1, host="127.0.0.1", port=answering_port),
+               2: SimpleNamespace(id=2, host="127.0.0.1", port=closed_port)}
+    partition = SimpleNamespace(leader=1, isrs=isrs, replicas=[1, 2])
+    return SimpleNamespace(brokers=brokers, topics={"p.t": SimpleNamespace(partitions={0: partition}),
+                                                    "other.t": SimpleNamespace(partitions={})})
+
+
+def test_a_partition_whose_in_sync_replicas_do_not_answer_cannot_take_writes(monkeypatch):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: refuses
+    try:
+        open_port, closed_port = listener.getsockname()[1], closed.getsockname()[1]
+        monkeypatch.setattr(topics, "_min_insync", lambda admin, names, timeout_s: {"p.t": 2})
+        stale = _metadata(open_port, closed_port, [1, 2])
+        assert topics.unavailable(None, stale, "p", writes=False) is None  # the leader answers: it can be read
+        why = topics.unavailable(None, stale, "p", writes=True)
+        assert why == ("topic p.t partition 0 cannot take writes: 1 of its in-sync replicas answer (brokers 2 do "
+                       "not), min.insync.replicas is 2: start the brokers that are down")
+        monkeypatch.setattr(topics, "_min_insync", lambda admin, names, timeout_s: {"p.t": 1})
+        assert topics.unavailable(None, stale, "p", writes=True) is None
+        leaderless = _metadata(closed_port, open_port, [1, 2])
+        assert topics.unavailable(None, leaderless, "p", writes=False) == (
+            "topic p.t partition 0 has no leader that answers (leader: broker 1; in-sync replicas that do not "
+            "answer: 1): start the brokers that are down")
+    finally:
+        listener.close()
+        closed.close()
