@@ -118,8 +118,15 @@ def describe_watch(watched: dict) -> str:
     parts = []
     for name, w in watched.items():
         text = f"{name} {'>'.join(w['states'])}"
-        parts.append(text + (f" ('{w['waiting'].split(' since ')[0].split(' (')[0]}')" if w["waiting"] else ""))
+        parts.append(text + (f" ('{_reason(w['waiting'])}')" if w["waiting"] else ""))
     return "; ".join(parts)
+
+
+def _reason(waiting: str) -> str:
+    """What a keeper said it waits for, without the time: the dependency, and which partition when Kafka answers
+    but cannot take the pipeline's writes."""
+    text = waiting.split(" since ")[0]
+    return text if "partition" in text else text.split(" (")[0]
 
 
 def running_since(conf: dict, since: datetime) -> bool:
@@ -581,6 +588,8 @@ def run_matrix(names: list[str], cycles: int | None, seed: int, spark, log=print
             if mount:
                 subprocess.run(["umount", mount], check=False)
                 os.rmdir(mount)
+            if overrides:
+                kafka_brokers.down(config.load("local"), log=quiet)
     return rows
 
 

@@ -38,7 +38,7 @@ os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS",
 # with the most tests first, so this orders those of equal count (pytest_xdist_make_scheduler below)
 FIRST = ["notebooks", "test_merge_unit", "test_own_database", "test_faults", "test_pg_versions", "test_service",
          "test_merge_stream", "test_snapshot", "test_masking", "test_views_persist", "test_stream", "test_incremental",
-         "test_debezium_interop", "test_secure_pipeline", "test_key_changes"]
+         "test_debezium_interop", "test_secure_pipeline", "test_key_changes", "test_brokers", "test_failover"]
 
 
 def _scope(path) -> str:

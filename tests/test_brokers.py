@@ -57,6 +57,7 @@ def on_three(live_stack, tmp_path):
     with root.cursor() as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
     root.close()
+    kafka_brokers.down(live_stack, log=lambda line: None)  # three JVMs the rest of the run does not need
 
 
 def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_ends_exact(on_three, live_stack,

@@ -14,7 +14,18 @@ import time
 from pathlib import Path
 
 from lib import config, secrets
-from lib.local.stack import fetch, kafka, pg_versions, postgres, process, registry, spark_cds, spark_cluster, tls
+from lib.local.stack import (
+    fetch,
+    kafka,
+    kafka_brokers,
+    pg_versions,
+    postgres,
+    process,
+    registry,
+    spark_cds,
+    spark_cluster,
+    tls,
+)
 from lib.local.stack.process import StackError
 
 __all__ = ["StackError", "down", "fetch_all", "logs", "sample", "stack_dir", "status", "up"]
@@ -142,6 +153,7 @@ def down(conf: dict, log=print) -> None:
     """Stop every service, newest first; data and logs stay."""
     folder = stack_dir(conf)
     spark_cluster.stop(conf, folder, log=log)
+    kafka_brokers.down(conf, log=log, remove=False)
     registry.stop(folder, log=log)
     kafka.stop(folder, log=log)
     postgres.stop(conf, folder, log=log)

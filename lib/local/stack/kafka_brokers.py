@@ -163,15 +163,21 @@ def kill(conf: dict, node: int) -> int:
 
 
 def stop(conf: dict, node: int, log=print) -> None:
-    """Stop one node (a controlled shutdown), clearing a stale pid file."""
+    """Stop one node, clearing a stale pid file."""
     process.stop_recorded(f"kafka-{node}", files(conf, node)["pid"], kafka.MARKER, timeout=60, log=log)
 
 
-def down(conf: dict, log=print) -> None:
-    """Stop every node and remove their folders (the next up makes a new cluster)."""
+def down(conf: dict, log=print, remove: bool = True) -> None:
+    """Stop every node (killed: the last one alone would wait for the quorum it left) and, with remove, delete their
+    folders so the next up makes a new cluster."""
     for node in NODES:
-        stop(conf, node, log=log)
-    shutil.rmtree(stack_dir(conf) / "kafka-brokers", ignore_errors=True)
+        pid = process.read_pid(files(conf, node)["pid"])
+        if pid and process.pid_alive(pid) and kafka.MARKER in process.cmdline(pid):
+            process.kill_now(pid)
+            log(f"kafka-{node}   stopped")
+        files(conf, node)["pid"].unlink(missing_ok=True)
+    if remove:
+        shutil.rmtree(stack_dir(conf) / "kafka-brokers", ignore_errors=True)
 
 
 def leaders(conf: dict, topics: list[str]) -> dict[tuple[str, int], int]:
