@@ -106,6 +106,7 @@ DEFAULTS: dict[str, object] = {
     "source.keys": {},  # key columns of tables without a primary key (docs/events.md)
     "source.unknown_types": "error",  # or "text": capture values of unsupported types as their text
     "source.failover_slot": False,  # create the slot with FAILOVER (PostgreSQL 17+; docs/reliability.md "Failover")
+    "source.stall_timeout_s": 60.0,  # the capture drops a connection that sends nothing this long (a network stall)
     "source.spool_dir": None,  # where in-progress streamed transactions are spooled (None: the temp dir)
     "source.incremental_chunk_rows": 10_000,  # rows per chunk of an incremental snapshot
     "source.incremental_check_s": 10.0,  # how often the capture looks for incremental snapshot requests

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import threading
 
 import psycopg2
 import psycopg2.extras
@@ -58,7 +62,7 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
     host, port = config.get(conf, "source.host"), int(config.get(conf, "source.port"))
     user = config.get(conf, user_key)
     database = dbname or config.get(conf, "source.database")
-    params = dict(host=host, port=port, user=user, dbname=database, connect_timeout=10,
+    params = dict(host=host, port=port, user=user, dbname=database, connect_timeout=options.pop("connect_timeout", 10),
                   application_name=config.get(conf, "spark.app_name"), **tls(conf), **options)
     if replication:
         params["connection_factory"] = psycopg2.extras.LogicalReplicationConnection
@@ -86,6 +90,25 @@ def connect(conf: dict, admin: bool = False, dbname: str | None = None, replicat
     if settings:
         set_known(conn, settings)
     return conn
+
+
+@contextlib.contextmanager
+def bounded(conn, seconds: float):
+    """Cut conn's socket (psycopg2 then raises OperationalError) if the block inside runs longer than seconds.
+
+    libpq waits for a reply as long as the network keeps the connection open; a link that stalls instead of
+    failing would block the caller for good."""
+    def cut() -> None:
+        with contextlib.suppress(OSError, psycopg2.Error):
+            socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield conn
+    finally:
+        timer.cancel()
 
 
 def set_known(conn, settings: dict[str, str]) -> list[str]:

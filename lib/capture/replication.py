@@ -64,8 +64,14 @@ _pq = _libpq()
 class Stream:
     """A started replication connection: ``read()`` messages, ``acknowledge()`` positions, ``send_status()``."""
 
-    def __init__(self, connection, status_interval_s: float = 5.0, acknowledged: int = 0) -> None:
+    def __init__(self, connection, status_interval_s: float = 5.0, acknowledged: int = 0,
+                 silence_s: float = 60.0) -> None:
         self.connection = connection
+        # the server answers a status message that asks for a reply at once: silence_s without a byte after asking
+        # is a connection that stalls (a network that drops everything, a frozen server), not an idle slot
+        self.silence_s = silence_s
+        self.last_heard = time.monotonic()
+        self.asked_at: float | None = None
         self._conn = ctypes.c_void_p(connection.pgconn_ptr)
         self._buf = ctypes.POINTER(ctypes.c_char)()
         self.status_interval_s = status_interval_s
@@ -89,8 +95,14 @@ class Stream:
             if end > self.wal_end:
                 self.wal_end = end
             return start, payload
-        if time.monotonic() - self.last_status >= self.status_interval_s:
-            self.send_status()
+        now = time.monotonic()
+        if self.asked_at is not None and now - self.asked_at > self.silence_s:
+            raise psycopg2.OperationalError(
+                f"the server sent nothing for {now - self.last_heard:.0f} s, not even the reply to a status message "
+                f"that asked for one {now - self.asked_at:.0f} s ago (source.stall_timeout_s): the connection "
+                f"stalls (a network that drops packets, or a frozen server)")
+        if now - self.last_status >= self.status_interval_s:
+            self.send_status(reply=self.asked_at is None and now - self.last_heard >= self.status_interval_s)
         if self._reader is not None:
             return self._read_batch()
         consumed = False
@@ -100,6 +112,7 @@ class Stream:
                 data = ctypes.string_at(self._buf, size)
                 _pq.PQfreemem(self._buf)
                 kind = data[0]
+                self._heard()
                 if kind == 0x77:  # 'w' XLogData
                     start, end, _ = _XLOGDATA.unpack_from(data, 1)
                     if end > self.wal_end:
@@ -136,14 +149,17 @@ class Stream:
         if reader.reply:
             reader.reply = False
             self.send_status()
+        if batch or reader.keepalive_end:  # the reader keeps a keepalive's end: zero until the next one
+            self._heard()
         if not batch:
             if reader.keepalive_end > self.wal_end:
                 self.wal_end = reader.keepalive_end
+            reader.keepalive_end = 0
             if status:
                 self._raise(status)
             return None
         self._failed = status
-        self._keepalive_end = reader.keepalive_end
+        self._keepalive_end, reader.keepalive_end = reader.keepalive_end, 0
         self._batch, self._next = batch, 1
         start, payload, end = batch[0]
         if end > self.wal_end:
@@ -157,6 +173,9 @@ class Stream:
             kind = chr(self._reader.unexpected)
             raise psycopg2.OperationalError(f"unexpected replication message type {kind!r} from the server")
         raise psycopg2.OperationalError(self._error())
+
+    def _heard(self) -> None:
+        self.last_heard, self.asked_at = time.monotonic(), None
 
     def acknowledge(self, lsn: int) -> bool:
         """Remember lsn as flushed (sent with the next status message); True when it moved."""
@@ -172,6 +191,8 @@ class Stream:
         if _pq.PQputCopyData(self._conn, message, len(message)) <= 0 or _pq.PQflush(self._conn) != 0:
             raise psycopg2.OperationalError(self._error())
         self.last_status = time.monotonic()
+        if reply:
+            self.asked_at = self.last_status
 
     def wait(self, timeout_s: float) -> None:
         """Block until the server sends something or timeout_s passes."""

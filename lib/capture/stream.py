@@ -185,7 +185,8 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
                   "resnapshot=True), then start the capture again" if "invalidated" in _pg_message(exc) else
                   f"check that no other capture uses the slot and that publication {st.publication} exists")
         raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; {remedy}") from exc
-    st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acks.acked)  # psycopg2 reads nothing from here on
+    st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acks.acked,  # psycopg2 reads nothing from here on
+                                   float(config.get(st.conf, "source.stall_timeout_s")))
     st.cursor.send_status()
     st.acks.sent_feedback = st.acks.acked
     _remove_stale_spools(st.slot, spool_dir)  # only now: the slot is ours, no other capture of it runs
@@ -300,7 +301,7 @@ def _close(st: State, failure: BaseException | None) -> BaseException | None:
         if conn is not None:
             with contextlib.suppress(psycopg2.Error):
                 if conn is st.sql and not conn.closed:
-                    with conn.cursor() as cur:
+                    with source.bounded(conn, st.stall_s), conn.cursor() as cur:
                         cur.execute("SELECT pg_current_wal_lsn()::text")
                         st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
                 conn.close()
@@ -445,8 +446,10 @@ def _caught_up(st: State) -> bool:
 
 def _heartbeat(st: State) -> None:
     """A non-transactional logical message: moves the slot even when no published table is written."""
+    if st.cursor is not None and st.cursor.asked_at is not None:
+        return  # the server does not answer the stream either: wait for it there (source.stall_timeout_s)
     try:
-        with st.sql.cursor() as cur:
+        with source.bounded(st.sql, st.stall_s), st.sql.cursor() as cur:
             cur.execute("SELECT pg_logical_emit_message(false, %s, '')", (HEARTBEAT_PREFIX,))
         st.heartbeats += 1
     except psycopg2.errors.InsufficientPrivilege as exc:
@@ -469,7 +472,7 @@ def _reconnect_sql(st: State) -> None:
     with contextlib.suppress(psycopg2.Error):
         st.sql.close()
     try:
-        st.sql = source.connect(st.conf, options=pgtypes.session_options())
+        st.sql = source.connect(st.conf, options=pgtypes.session_options(), connect_timeout=max(2, int(st.stall_s)))
         st.sql.autocommit = True
     except source.SourceError as exc:
         st.log(f"stream    cannot reconnect for heartbeats: {exc}")
@@ -477,7 +480,7 @@ def _reconnect_sql(st: State) -> None:
 
 def _server_lsn(st: State) -> None:
     try:
-        with st.sql.cursor() as cur:
+        with source.bounded(st.sql, st.stall_s), st.sql.cursor() as cur:
             cur.execute("SELECT pg_current_wal_lsn()::text")
             st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
     except psycopg2.Error:

@@ -103,6 +103,8 @@ class State:
         self.deadline = self.started + max_seconds if max_seconds else None
         self.stop_reason: str | None = None
         self.sql = self.repl = self.cursor = self.producer = self.registry = None
+        # a heartbeat or position query blocked longer than this is cut (they take milliseconds)
+        self.stall_s = min(15.0, float(config.get(conf, "source.stall_timeout_s")) / 2)
         self.control: control.Tail | None = None  # the control topic, read as it grows (incremental requests)
         self.identity: dict | None = None  # the server's system identifier and timeline (slot_position.py)
         self.acks, self.relations, self.spools, self.chunks = Acks(), Relations(), Spools(), Chunks(conf)
@@ -141,4 +143,17 @@ class State:
         }
         if interval_s:
             result["interval_events_per_s"] = round((self.events - self.interval_events) / interval_s, 1)
+        result["waiting_for"] = self.waiting_for()
         return result
+
+    def waiting_for(self, after_s: float = 10.0) -> str | None:
+        """What the capture has waited for longer than after_s (Kafka's acknowledgements, the server's reply)."""
+        now = time.monotonic()
+        if self.acks.inflight and self.acks.inflight[0][0] and now - self.acks.progress_at > after_s:
+            return (f"Kafka to acknowledge {self.acks.inflight[0][0]} event(s) of the oldest transaction, for "
+                    f"{now - self.acks.progress_at:.0f} s (it stops after {self.acks.delivery_timeout_s:.0f} s)")
+        asked = getattr(self.cursor, "asked_at", None)
+        if asked is not None and now - asked > after_s:
+            return (f"PostgreSQL to answer, for {now - asked:.0f} s (it stops after "
+                    f"{self.cursor.silence_s:.0f} s: source.stall_timeout_s)")
+        return None

@@ -272,6 +272,8 @@ def status(conf: dict, spark=None, all_slots: bool = False) -> dict:
         silver = {}
         warnings.append(f"silver's progress unknown: {exc}")
     capture_now = capture_last if _fresh(capture_last, conf, running["capture"]) else None
+    if capture_now and capture_now.get("waiting_for"):
+        warnings.append(f"the capture service waits for {capture_now['waiting_for']}")
     merge_now = merge_last if _fresh(merge_last, conf, running["merge"]) else None
     tables = []
     for spec in lake_paths.table_specs(conf):
