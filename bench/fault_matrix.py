@@ -24,6 +24,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,6 +35,7 @@ from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths, reconcile  # noqa: E402
 from lib.local import stack  # noqa: E402
 from lib.local.stack import kafka, kafka_brokers, postgres, process, registry  # noqa: E402
+from lib.local.stack.links import Link  # noqa: E402
 from lib.operate import keeper, metrics, monitor, service, tables  # noqa: E402
 
 TABLES = ["bank.customers", "bank.account_holders", "bank.transactions"]
@@ -43,6 +45,10 @@ KAFKA_DOWN_S = 45.0  # how long kafka_kill keeps the broker down (at least: unti
 CHILDREN_KILLED_AFTER_S = 10.0  # how far into the broker's outage kafka_kill kills capture and merge
 LAKE_FS_SIZE = "64m"  # disk_full's lake filesystem
 BROKERS_DOWN_S = 60.0  # how long brokers keeps two of its three brokers down
+KAFKA_STALL_S = 75.0  # stall_kafka: past the capture's delivery timeout (DELIVERY_TIMEOUT_MS), Kafka's timeouts
+POSTGRES_STALL_S = 120.0  # stall_postgres: past wal_sender_timeout (60 s) and source.stall_timeout_s (60 s)
+REGISTRY_STALL_S = 60.0  # stall_registry: past the registry client's timeout (30 s)
+LINK_CASES = ("stall_kafka", "stall_postgres", "stall_registry", "drop_links")  # on a pipeline behind links
 DELIVERY_TIMEOUT_MS = 30_000  # brokers: the capture's delivery timeout (kafka.producer message.timeout.ms)
 DOC = bench_env.REPO / "docs" / "reliability.md"
 BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
@@ -424,12 +430,75 @@ def case_brokers(ctx: dict, cycles: int, log) -> float:
     return ended
 
 
+def _stall(ctx: dict, name: str, seconds: float, log, during=None) -> float:
+    """Stall every link of ctx's named dependency for seconds (during(): what to do meanwhile), then resume."""
+    links = ctx["links"][name]
+    for link in links:
+        link.stall()
+    began = time.monotonic()
+    if during is not None:
+        during()
+    time.sleep(max(0.0, seconds - (time.monotonic() - began)))
+    for link in links:
+        link.resume()
+    ended = time.monotonic()
+    log(f"  {name}: every link stalled {ended - began:.0f} s (no byte moved, no connection refused), then resumed")
+    return ended
+
+
+def case_stall_kafka(ctx: dict, cycles: int, log) -> float:
+    """Every link to the three brokers stalls for KAFKA_STALL_S: no byte moves either way and no connection is
+    refused (the capture, the merge and their keepers' probes all come through the links)."""
+    for _ in range(cycles):
+        ended = _stall(ctx, "kafka", KAFKA_STALL_S, log)
+        wait_running(ctx["conf"])
+    return ended
+
+
+def case_stall_postgres(ctx: dict, cycles: int, log) -> float:
+    """The capture's link to PostgreSQL stalls for POSTGRES_STALL_S, past wal_sender_timeout and
+    source.stall_timeout_s; the writers reach the server directly and go on."""
+    for _ in range(cycles):
+        ended = _stall(ctx, "postgres", POSTGRES_STALL_S, log)
+        wait_running(ctx["conf"])
+    return ended
+
+
+def case_stall_registry(ctx: dict, cycles: int, log) -> float:
+    """The link to the registry stalls for REGISTRY_STALL_S while ALTER TABLE ADD COLUMN and writes using it need a
+    new schema version; more writes after it returns."""
+    conf = ctx["conf"]
+    for cycle in range(cycles):
+        column = f"stall_note_{cycle + 1}"
+        ended = _stall(ctx, "registry", REGISTRY_STALL_S, log, during=lambda c=column: admin_sql(
+            ctx["writer_conf"], f"ALTER TABLE bank.customers ADD COLUMN {c} text",
+            f"UPDATE bank.customers SET {c} = 'during the stall ' || customer_id WHERE customer_id % 3 = 0"))
+        admin_sql(ctx["writer_conf"], f"UPDATE bank.customers SET {column} = 'after' WHERE customer_id % 3 = 1")
+        wait_running(conf)
+    return ended
+
+
+def case_drop_links(ctx: dict, cycles: int, log) -> float:
+    """Every open connection of every link (PostgreSQL, registry, three brokers) reset at once, mid-transfer, at a
+    random moment of the load."""
+    rng = random.Random(ctx["seed"])
+    for cycle in range(cycles):
+        time.sleep(rng.uniform(2, 8))
+        cut = sum(link.drop() for links in ctx["links"].values() for link in links)
+        ended = time.monotonic()
+        log(f"  cycle {cycle + 1}: {cut} sockets reset")
+        wait_running(ctx["conf"])
+    return ended
+
+
 # name: (inject, default cycles, services whose keeper must be seen waiting for the missing dependency)
 CASES = {"kafka_kill": (case_kafka_kill, 2, SERVICES), "postgres_restart": (case_postgres_restart, 2, ("capture",)),
          "registry_down": (case_registry_down, 1, ("capture",)), "kill_cycles": (case_kill_cycles, 10, ()),
          "long_transaction": (case_long_transaction, 1, ()), "key_update": (case_key_update, 1, ()),
          "rekey_ddl": (case_rekey_ddl, 2, ()), "disk_full": (case_disk_full, 1, ()),
-         "brokers": (case_brokers, 1, ("capture",))}
+         "brokers": (case_brokers, 1, ("capture",)), "stall_kafka": (case_stall_kafka, 1, ("capture",)),
+         "stall_postgres": (case_stall_postgres, 1, ("capture",)),
+         "stall_registry": (case_stall_registry, 1, ()), "drop_links": (case_drop_links, 3, ())}
 OWN_STACK = ("disk_full", "brokers")  # cases that run on a pipeline of their own (a small lake, three brokers)
 
 
@@ -476,7 +545,7 @@ def verify(conf: dict, spark) -> dict:
 def run_case(name: str, cycles: int, ctx: dict, log=print) -> dict:
     """Load, the case's faults, recovery, catch-up, checks; the result row (see the module doc)."""
     conf, inject, began = ctx["conf"], CASES[name][0], time.monotonic()
-    stop_load = bench_env.background_workload(conf, RATE)
+    stop_load = bench_env.background_workload(ctx.get("writer_conf", conf), RATE)
     stop_watch, gave_before = watch_keepers(conf), give_ups(conf)
     row = {"case": name, "cycles": cycles, "exact": False}
     try:
@@ -558,7 +627,9 @@ def new_context(spark, seed: int, log, lake_root: str | None = None, overrides: 
     """A pipeline of its own, running: {conf, folder, spark, seed}."""
     folder = tempfile.mkdtemp(prefix="fault-matrix-")
     conf = make_pipeline(folder, lake_root, overrides)
-    ctx = {"conf": conf, "folder": folder, "spark": spark, "seed": seed}
+    direct = {k: v for k, v in conf["env"].items() if k != "CDC__SOURCE__PORT"}  # writers skip the link
+    ctx = {"conf": conf, "folder": folder, "spark": spark, "seed": seed,
+           "writer_conf": config.apply_overrides(config.load(None), direct)}
     try:
         start_pipeline(conf, spark, log)
     except BaseException:
@@ -570,14 +641,19 @@ def new_context(spark, seed: int, log, lake_root: str | None = None, overrides: 
 def run_matrix(names: list[str], cycles: int | None, seed: int, spark, log=print) -> list[dict]:
     """The named cases in order on one pipeline, then disk_full on one of its own; their result rows."""
     rows = []
-    for group in ([n for n in names if n not in OWN_STACK], *([n] for n in OWN_STACK if n in names)):
+    plain = [n for n in names if n not in OWN_STACK and n not in LINK_CASES]
+    for group in (plain, *([n] for n in OWN_STACK if n in names), [n for n in names if n in LINK_CASES]):
         if not group:
             continue
         mount = tmpfs() if group == ["disk_full"] else None
+        links = {}
         overrides = three_brokers(log) if group == ["brokers"] else None
+        if group[0] in LINK_CASES:
+            overrides, links = behind_links(log)
         ctx = None
         try:
             ctx = new_context(spark, seed, log, lake_root=mount, overrides=overrides)
+            ctx["links"] = links
             for name in group:
                 log(f"{name}: {' '.join(CASES[name][0].__doc__.split())}")
                 rows.append(run_case(name, cycles or CASES[name][1], ctx, log))
@@ -588,6 +664,8 @@ def run_matrix(names: list[str], cycles: int | None, seed: int, spark, log=print
             if mount:
                 subprocess.run(["umount", mount], check=False)
                 os.rmdir(mount)
+            for link in (link for found in links.values() for link in found):
+                link.close()
             if overrides:
                 kafka_brokers.down(config.load("local"), log=quiet)
     return rows
@@ -600,6 +678,23 @@ def three_brokers(log) -> dict:
     return {"CDC__KAFKA__BOOTSTRAP_SERVERS": config.get(three, "kafka.bootstrap_servers"),
             "CDC__KAFKA__REPLICATION_FACTOR": "3", "CDC__KAFKA__MIN_INSYNC_REPLICAS": "2",
             "CDC__KAFKA__PRODUCER": f"{{message.timeout.ms: {DELIVERY_TIMEOUT_MS}}}"}
+
+
+def behind_links(log) -> tuple[dict, dict]:
+    """Links (lib/local/stack/links.py) to PostgreSQL, the registry and each of three brokers, in this process;
+    (the settings that send a pipeline through them, {dependency: [links]})."""
+    local = config.load("local")
+    overrides = three_brokers(log)
+    postgres_link = Link((config.get(local, "source.host"), int(config.get(local, "source.port")))).start()
+    url = urlparse(config.get(local, "registry.url"))
+    registry_link = Link((url.hostname, url.port)).start()
+    links = {"postgres": [postgres_link], "registry": [registry_link], "kafka": kafka_brokers.start_links(local)}
+    overrides.update({"CDC__SOURCE__PORT": str(postgres_link.port),
+                      "CDC__REGISTRY__URL": url._replace(netloc=f"{url.hostname}:{registry_link.port}").geturl(),
+                      "CDC__KAFKA__BOOTSTRAP_SERVERS": kafka_brokers.link_servers(local)})
+    log(f"links     PostgreSQL, the registry and three brokers reached through links (ports {postgres_link.port}, "
+        f"{registry_link.port}, {kafka_brokers.link_servers(local)})")
+    return overrides, links
 
 
 def tmpfs(size: str = LAKE_FS_SIZE) -> str:

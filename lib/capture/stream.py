@@ -31,6 +31,7 @@ from lib.capture import (
     pgtypes,
     relations,
     replication,
+    server_link,
     slot_position,
     streamed_transactions,
 )
@@ -38,7 +39,7 @@ from lib.capture.pgoutput import PgOutputError, lsn_to_str, protocol_options, st
 from lib.capture.stream_state import DeliveryError, SnapshotIncompleteError, State, StreamError
 
 UNTIL = ("caught_up", "forever")
-HEARTBEAT_PREFIX = "cdc-heartbeat"
+HEARTBEAT_PREFIX = server_link.HEARTBEAT_PREFIX
 STATUS_INTERVAL_S = 5  # psycopg2 sends a status message at least this often while reading
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ def run(conf: dict, until: str = "caught_up", max_seconds: float | None = None, 
         try:
             _loop(st)
         except psycopg2.Error as exc:
-            raise StreamError(f"replication from slot {slot} failed: {_pg_message(exc)}; nothing after "
+            raise StreamError(f"replication from slot {slot} failed: {server_link.pg_message(exc)}; nothing after "
                               f"{lsn_to_str(st.acks.acked)} was acknowledged: restart the capture to resume "
                               f"there") from exc
     except BaseException as exc:
@@ -149,7 +150,7 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
                         "AND p.proargtypes[2] = 'text'::regtype")
             st.heartbeat_function, allowed = cur.fetchone()
             if not allowed:
-                raise StreamError(_heartbeat_grant(st))
+                raise StreamError(server_link.heartbeat_grant(st))
         cur.execute("SELECT pg_current_wal_lsn()::text")
         st.acks.target = st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
     names = list(config.get(conf, "source.tables"))
@@ -182,9 +183,10 @@ def _open(st: State, pg_options: str, spool_dir: str | None) -> None:
                                  options={**proto, "publication_names": _quote_ident(st.publication)})
     except psycopg2.Error as exc:
         remedy = ("the changes it no longer holds are lost to the stream: take a new snapshot (notebook 02 with "
-                  "resnapshot=True), then start the capture again" if "invalidated" in _pg_message(exc) else
+                  "resnapshot=True), then start the capture again" if "invalidated" in server_link.pg_message(exc) else
                   f"check that no other capture uses the slot and that publication {st.publication} exists")
-        raise StreamError(f"cannot start replication from slot {st.slot}: {_pg_message(exc)}; {remedy}") from exc
+        raise StreamError(f"cannot start replication from slot {st.slot}: {server_link.pg_message(exc)}; "
+                          f"{remedy}") from exc
     st.cursor = replication.Stream(st.repl, STATUS_INTERVAL_S, st.acks.acked,  # psycopg2 reads nothing from here on
                                    float(config.get(st.conf, "source.stall_timeout_s")))
     st.cursor.send_status()
@@ -398,7 +400,7 @@ def _idle(st: State) -> None:
     if (st.until == "caught_up" and st.heartbeat_s and st.cursor.wal_end < st.acks.target
             and time.monotonic() - st.last_heartbeat >= 1.0):
         st.last_heartbeat = time.monotonic()  # a record past the target: its message proves we read that far
-        _heartbeat(st)
+        server_link.heartbeat(st)
 
 
 def _tick(st: State) -> bool:
@@ -418,7 +420,7 @@ def _tick(st: State) -> bool:
         st.acks.sent_feedback, st.acks.last_feedback = st.cursor.flushed, now
     if st.heartbeat_s and now - st.last_heartbeat >= st.heartbeat_s:
         st.last_heartbeat = now
-        _heartbeat(st)
+        server_link.heartbeat(st)
     if now - st.chunks.last_check >= st.chunks.check_s:
         st.chunks.last_check = now
         incremental_chunks.check_requests(st)
@@ -426,7 +428,7 @@ def _tick(st: State) -> bool:
     if now - st.last_metrics >= st.metrics_interval_s:
         interval = now - st.last_metrics
         st.last_metrics = now
-        _server_lsn(st)
+        server_link.server_lsn(st)
         if st.metrics_callback is not None:
             st.metrics_callback(st.metrics(interval))
         st.interval_events = st.events
@@ -442,49 +444,6 @@ def _caught_up(st: State) -> bool:
     if st.cursor.wal_end >= st.acks.target:
         return True
     return st.acks.acked >= st.acks.target and st.tx is None and not st.acks.inflight  # nothing was left to send
-
-
-def _heartbeat(st: State) -> None:
-    """A non-transactional logical message: moves the slot even when no published table is written."""
-    if st.cursor is not None and st.cursor.asked_at is not None:
-        return  # the server does not answer the stream either: wait for it there (source.stall_timeout_s)
-    try:
-        with source.bounded(st.sql, st.stall_s), st.sql.cursor() as cur:
-            cur.execute("SELECT pg_logical_emit_message(false, %s, '')", (HEARTBEAT_PREFIX,))
-        st.heartbeats += 1
-    except psycopg2.errors.InsufficientPrivilege as exc:
-        raise StreamError(_heartbeat_grant(st)) from exc
-    except psycopg2.Error as exc:  # not fatal: the next heartbeat reconnects
-        st.log(f"stream    heartbeat failed ({_pg_message(exc)}); reconnecting")
-        _reconnect_sql(st)
-
-
-def _heartbeat_grant(st: State) -> str:
-    """The remedy for a role that may not write heartbeats, naming the function's signature on this server."""
-    user = config.get(st.conf, "source.user")
-    return (f"role {user} may not call pg_logical_emit_message, which the capture uses for heartbeats (so an idle "
-            f"slot keeps moving): as a superuser run GRANT EXECUTE ON FUNCTION "
-            f"pg_catalog.{st.heartbeat_function} TO {user}; or run with heartbeat_s=0 (then writes to unpublished "
-            f"tables alone may not advance the slot)")
-
-
-def _reconnect_sql(st: State) -> None:
-    with contextlib.suppress(psycopg2.Error):
-        st.sql.close()
-    try:
-        st.sql = source.connect(st.conf, options=pgtypes.session_options(), connect_timeout=max(2, int(st.stall_s)))
-        st.sql.autocommit = True
-    except source.SourceError as exc:
-        st.log(f"stream    cannot reconnect for heartbeats: {exc}")
-
-
-def _server_lsn(st: State) -> None:
-    try:
-        with source.bounded(st.sql, st.stall_s), st.sql.cursor() as cur:
-            cur.execute("SELECT pg_current_wal_lsn()::text")
-            st.acks.server_lsn = str_to_lsn(cur.fetchone()[0])
-    except psycopg2.Error:
-        _reconnect_sql(st)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,9 +501,6 @@ def main(argv: list[str] | None = None) -> int:
     print("final " + summary(result), flush=True)
     return 0
 
-
-def _pg_message(exc: psycopg2.Error) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

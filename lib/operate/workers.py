@@ -73,7 +73,12 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
     conn.autocommit = True
 
     def on_metrics(m: dict) -> None:
+        nonlocal conn
         log(stream.summary(m))
+        if conn.closed and not m.get("waiting_for"):  # cut while the link stalled: again once the server answers
+            with contextlib.suppress(source.SourceError):
+                conn = source.connect(conf, connect_timeout=5)
+                conn.autocommit = True
         metrics.record(conf, "capture", capture_record(conf, m, previous, conn))
         _renew_lease(conf, "capture", log)
 
@@ -98,13 +103,18 @@ def capture_record(conf: dict, m: dict, previous: dict, conn=None) -> dict:
     interval = now - previous["at"] if "at" in previous else float(m.get("elapsed_s") or 1.0)
     out = {key: m.get(key) for key in ("slot", "events", "tombstones", "transactions", "heartbeats", "acked_lsn",
                                        "server_lsn", "lag_bytes", "lag_s", "in_flight_transactions", "stopped",
-                                       "caught_up")}
+                                       "caught_up", "waiting_for")}
     out.update({"events_per_table": per_table, "interval_s": round(interval, 3),
                 "interval_events_per_table": {t: n - before.get(t, 0) for t, n in per_table.items()},
                 "interval_events_per_s": m.get("interval_events_per_s", m.get("events_per_s")),
                 "truncates": sum((m.get("truncates") or {}).values())})
+    from lib import source
+
     try:
-        row = monitor.slot_row(conf, conn)
+        if conn is None or conn.closed:
+            raise ConnectionError("no connection to PostgreSQL for the slot's figures")
+        with source.bounded(conn, 15.0):  # a stalled link must not hold the capture's loop
+            row = monitor.slot_row(conf, conn)
         if row:
             out.update({"retained_wal_bytes": row["retained_wal_bytes"], "wal_status": row["wal_status"],
                         "slot_lag_bytes": row["lag_bytes"]})

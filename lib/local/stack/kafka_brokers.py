@@ -1,8 +1,9 @@
 """Three Kafka brokers in KRaft mode beside the stack (issue 30, several brokers).
 
 Each node is a broker and a controller (a quorum of three: two must run for the cluster to change
-anything), in .stack/kafka-brokers/node-<id> with PLAINTEXT on port_base + 10 * id and its controller
-listener on the next port. The settings are the ones docs/reliability.md asks of a user's cluster: every
+anything), in .stack/kafka-brokers/node-<id> with PLAINTEXT on port_base + 10 * id, its controller listener on
+the next port, and a listener two ports up for clients that come through links (start_links, link_servers:
+the network drills). The settings are the ones docs/reliability.md asks of a user's cluster: every
 topic at replication factor 3 with ``min.insync.replicas`` 2 (the pipeline's topics through
 kafka.replication_factor / kafka.min_insync_replicas, the brokers' internal ones through their defaults),
 and no unclean leader election: a replica that missed acknowledged writes never becomes the leader.
@@ -27,6 +28,7 @@ from lib.local.stack import kafka, process
 from lib.local.stack.process import StackError
 
 NODES = (1, 2, 3)
+LINK_OFFSET = 5  # node n's link (links.Link, made by start_links) listens on its PLAINTEXT port + 5
 REPLICATION_FACTOR = 3
 MIN_INSYNC = 2
 
@@ -46,6 +48,21 @@ def bootstrap_servers(conf: dict) -> str:
     """host:port of every node, comma-separated."""
     host = kafka.endpoint(conf)[0]
     return ",".join(f"{host}:{ports(conf, node)[0]}" for node in NODES)
+
+
+def link_servers(conf: dict) -> str:
+    """host:port of every node's link, comma-separated: a client bootstrapping here reaches every broker through
+    the links of start_links, which a drill can stall or cut."""
+    host = kafka.endpoint(conf)[0]
+    return ",".join(f"{host}:{ports(conf, node)[0] + LINK_OFFSET}" for node in NODES)
+
+
+def start_links(conf: dict) -> list:
+    """One links.Link per node, in this process, from its link port to its LINKED listener."""
+    from lib.local.stack.links import Link
+
+    host = kafka.endpoint(conf)[0]
+    return [Link((host, ports(conf, n)[0] + 2), port=ports(conf, n)[0] + LINK_OFFSET).start() for n in NODES]
 
 
 def conf_for(conf: dict) -> dict:
@@ -74,11 +91,12 @@ def properties(conf: dict, node: int) -> str:
         "process.roles": "broker,controller",
         "node.id": node,
         "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller}",
-        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        # LINKED: what a client that bootstraps through the links (link_servers) is told to use, the links' ports
+        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{controller},LINKED://{host}:{port + 2}",
+        "advertised.listeners": f"PLAINTEXT://{host}:{port},LINKED://{host}:{port + LINK_OFFSET}",
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,LINKED:PLAINTEXT",
         "log.dirs": files(conf, node)["data"],
         "num.partitions": 1,
         "auto.create.topics.enable": "false",
@@ -109,7 +127,7 @@ def start(conf: dict, node: int, log=print) -> int | None:
     where = files(conf, node)
     host = kafka.endpoint(conf)[0]
     port, controller = ports(conf, node)
-    wanted = [(host, port, "stack.kafka_brokers.port_base"), (host, controller, "stack.kafka_brokers.port_base")]
+    wanted = [(host, p, "stack.kafka_brokers.port_base") for p in (port, controller, port + 2)]
     if not process.claim(f"kafka-{node}", where["pid"], kafka.MARKER, wanted, log):
         return None
     java_bin = kafka.java()

@@ -90,25 +90,34 @@ class Link:
                 _reset(upstream)
                 return
             self._open.add(upstream)
+        ended = [0]
         for a, b in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pump, args=(a, b, ended), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, ended: list) -> None:
+        """Copy source to sink while flowing; the second direction to end closes both sockets."""
+        watch = select.poll()  # poll, not select: a long drill opens sockets past select's limit of 1024
+        watch.register(source, select.POLLIN)
         try:
             while True:
                 self.flowing.wait()
-                readable, _, _ = select.select([source], [], [], 0.2)
-                if not readable:
+                if not watch.poll(200):
                     continue
-                self.flowing.wait()  # stalled between select and recv: the bytes stay in the kernel
+                self.flowing.wait()  # stalled between poll and recv: the bytes stay in the kernel
                 data = source.recv(65536)
                 if not data:
                     sink.shutdown(socket.SHUT_WR)
-                    return
+                    break
                 sink.sendall(data)
-        except (OSError, ValueError):
+        except OSError:
             for sock in (source, sink):
                 _reset(sock)
+        with self._lock:
+            ended[0] += 1
+            if ended[0] == 2:
+                for sock in (source, sink):
+                    self._open.discard(sock)
+                    sock.close()
 
 
 def _reset(sock: socket.socket) -> None:
