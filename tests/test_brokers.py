@@ -22,6 +22,7 @@ import uuid
 
 import fastavro
 import pytest
+from capture_thread import CaptureThread
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import ConfigResource
 from psycopg2 import sql
@@ -70,11 +71,10 @@ def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_end
     assert len(owned) == len(TABLES) + 1  # the tables' topics and the control topic
     assert _durability(conf, owned) == {name: (3, "2") for name in owned}
 
-    stop, writes, failures = threading.Event(), [], []
+    stop, writes = threading.Event(), []
     writer = threading.Thread(target=pg_failover.write_load, args=(conf, stop, writes), daemon=True)
-    capture = threading.Thread(target=_capture, args=(conf, stop, failures), daemon=True)
     writer.start()
-    capture.start()
+    capture = CaptureThread(conf, stop)
     _until(lambda: len(writes) >= 300, 60, "300 writes")
 
     busiest, leader = kafka_brokers.busiest_partition(conf, [t for t in owned if not t.endswith("__cdc_control")])
@@ -82,15 +82,15 @@ def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_end
     kafka_brokers.wait_new_leader(live_stack, busiest, leader, 60)
     streamed = len(writes)
     _until(lambda: len(writes) >= streamed + 200, 60, "200 more writes after the leader's loss")
-    assert capture.is_alive() and not failures, failures  # a new leader took over: nothing for the capture to do
+    assert capture.is_alive() and not capture.failures, capture.failures  # a new leader took over: nothing to do
 
     second = next(n for n in kafka_brokers.NODES if n != leader)
     kafka_brokers.kill(live_stack, second)  # two of three controllers gone: nothing can be written
     probe = keeper.unreachable(conf, "capture")
     assert probe and "do not" in probe and "start the brokers that are down" in probe, probe
     capture.join(90)  # the capture's delivery timeout (20 s) and the capture's stop
-    assert not capture.is_alive() and failures and isinstance(failures[0], DeliveryError), failures
-    assert "the slot stays at" in str(failures[0])
+    assert not capture.is_alive() and isinstance(capture.failures[0], DeliveryError), capture.failures
+    assert "the slot stays at" in str(capture.failures[0])
 
     kafka_brokers.up(live_stack, log=lambda line: None)
     _until(lambda: keeper.unreachable(conf, "capture") is None, 60, "the partitions to take writes again")
@@ -103,13 +103,6 @@ def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_end
     merge.run_until_caught_up(conf, spark_session)
     results = reconcile.reconcile(conf, spark_session)
     assert [(r["table"], r["equal"]) for r in results] == [(t, True) for t in TABLES], results
-
-
-def _capture(conf: dict, stop: threading.Event, failures: list) -> None:
-    try:
-        stream.run(conf, until="forever", stop_event=stop, heartbeat_s=1)
-    except Exception as exc:  # the delivery timeout: what the test expects
-        failures.append(exc)
 
 
 def _until(done, timeout_s: float, what: str) -> None:

@@ -19,6 +19,7 @@ import uuid
 
 import psycopg2
 import pytest
+from capture_thread import CaptureThread
 
 from lib import config, control, source
 from lib.capture import bootstrap, slot_position, snapshot, stream
@@ -70,11 +71,10 @@ def test_a_promoted_standby_continues_the_stream_from_its_failover_slot_and_silv
     conn.close()
     stream.run(plain, until="caught_up", heartbeat_s=0)
 
-    stop, writes, failures = threading.Event(), [], []
+    stop, writes = threading.Event(), []
     writer = threading.Thread(target=pg_failover.write_load, args=(on_primary, stop, writes), daemon=True)
-    capture = threading.Thread(target=lambda: _capture(on_primary, stop, failures), daemon=True)
     writer.start()
-    capture.start()
+    capture = CaptureThread(on_primary, stop)
     deadline = time.monotonic() + 60
     while len(writes) < 300:
         assert time.monotonic() < deadline and writer.is_alive(), f"{len(writes)} writes"
@@ -84,7 +84,7 @@ def test_a_promoted_standby_continues_the_stream_from_its_failover_slot_and_silv
     writer.join(30)
     capture.join(60)
     stop.set()
-    assert not capture.is_alive() and failures, "the capture did not notice its server was gone"
+    assert not capture.is_alive() and capture.failures, "the capture did not notice its server was gone"
     pg_failover.promote(on_standby)
 
     with pytest.raises(StreamError, match=rf"slot {slot}_plain \(source.slot\) does not exist on .*lost in a "
@@ -104,9 +104,3 @@ def test_a_promoted_standby_continues_the_stream_from_its_failover_slot_and_silv
     results = reconcile.reconcile(on_standby, spark_session)
     assert [(r["table"], r["equal"]) for r in results] == [(t, True) for t in TABLES], results
 
-
-def _capture(conf: dict, stop: threading.Event, failures: list) -> None:
-    try:
-        stream.run(conf, until="forever", stop_event=stop, heartbeat_s=1)
-    except Exception as exc:  # the crash: what the test expects
-        failures.append(exc)

@@ -10,11 +10,11 @@ resumes from the slot, and the topic ends on every row of the table.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import topic_rows
+from capture_thread import CaptureThread
 from psycopg2 import sql
 
 from lib import config, source
@@ -41,11 +41,7 @@ def linked(small_source):
 
 def test_a_stall_past_wal_sender_timeout_stops_the_capture_which_resumes_exact_from_the_slot(linked):
     src, link = linked
-    stop, failures = threading.Event(), []
-    capture = threading.Thread(target=_capture, args=(src.conf, stop, failures), daemon=True)
-    capture.start()
-    _write(src, range(1, 201))
-    _until(lambda: len(topic_rows.latest_rows(src, "items")) == 200, 60, "the first 200 rows in the topic")
+    capture = _streaming(src, 200)
 
     link.stall()
     stalled = time.monotonic()
@@ -53,8 +49,8 @@ def test_a_stall_past_wal_sender_timeout_stops_the_capture_which_resumes_exact_f
     _until(lambda: not _walsender_runs(src, link), 30, "the server to end the walsender (wal_sender_timeout)")
     capture.join(60)
     assert not capture.is_alive(), "the capture still waits on a link that sends nothing"
-    assert isinstance(failures[0], StreamError), failures
-    assert "sent nothing for" in str(failures[0]) and "stalls" in str(failures[0]), failures[0]
+    assert isinstance(capture.failures[0], StreamError), capture.failures
+    assert "sent nothing for" in str(capture.failures[0]) and "stalls" in str(capture.failures[0]), capture.failures
     assert time.monotonic() - stalled < 30
     waiting_for = keeper.unreachable(src.conf, "capture")
     assert waiting_for and waiting_for.startswith(f"PostgreSQL at 127.0.0.1:{link.port}"), waiting_for
@@ -67,27 +63,24 @@ def test_a_stall_past_wal_sender_timeout_stops_the_capture_which_resumes_exact_f
 
 def test_a_link_cut_mid_transfer_stops_the_capture_without_acknowledging_and_a_restart_ends_exact(linked):
     src, link = linked
-    stop, failures = threading.Event(), []
-    capture = threading.Thread(target=_capture, args=(src.conf, stop, failures), daemon=True)
-    capture.start()
-    _write(src, range(1, 101))
-    _until(lambda: len(topic_rows.latest_rows(src, "items")) == 100, 60, "the first 100 rows in the topic")
+    capture = _streaming(src, 100)
     link.stall()  # the next transaction's bytes are held on the way: the cut comes mid-transfer
     _write(src, range(101, 20001))
     time.sleep(1)
     assert link.drop() >= 2
     link.resume()
     capture.join(60)
-    assert not capture.is_alive() and isinstance(failures[0], StreamError), failures
+    assert not capture.is_alive() and isinstance(capture.failures[0], StreamError), capture.failures
     stream.run(src.conf, until="caught_up", pg_options=WAL_SENDER_TIMEOUT)
     assert _source_rows(src) == topic_rows.latest_rows(src, "items")
 
 
-def _capture(conf: dict, stop: threading.Event, failures: list) -> None:
-    try:
-        stream.run(conf, until="forever", stop_event=stop, heartbeat_s=1, pg_options=WAL_SENDER_TIMEOUT)
-    except Exception as exc:  # the stall: what the test expects
-        failures.append(exc)
+def _streaming(src, rows: int) -> CaptureThread:
+    """The capture running, rows 1..rows written and in the topic."""
+    capture = CaptureThread(src.conf, pg_options=WAL_SENDER_TIMEOUT)
+    _write(src, range(1, rows + 1))
+    _until(lambda: len(topic_rows.latest_rows(src, "items")) == rows, 60, f"the first {rows} rows in the topic")
+    return capture
 
 
 def _write(src, ids) -> None:
