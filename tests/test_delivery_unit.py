@@ -10,7 +10,7 @@ import pytest
 
 from lib import topics
 from lib.capture import delivery
-from lib.capture.stream_state import Acks, DeliveryError, StreamError
+from lib.capture.stream_state import Acks, DeliveryError, State, StreamError
 
 
 def _state(timeout_s: float) -> SimpleNamespace:
@@ -84,3 +84,17 @@ def test_a_partition_whose_in_sync_replicas_do_not_answer_cannot_take_writes(mon
     finally:
         listener.close()
         closed.close()
+
+
+def test_the_capture_says_what_it_waits_for_after_ten_seconds(conf):
+    st = State(conf, "forever", 10.0, 10.0, None, None, None, print)
+    assert st.waiting_for() is None and st.metrics()["waiting_for"] is None
+    st.acks.inflight.append([3, None, 0, 200, None])
+    st.acks.progress_at = time.monotonic() - 5
+    assert st.waiting_for() is None  # 5 s: not yet
+    st.acks.progress_at = time.monotonic() - 12
+    assert st.waiting_for() == ("Kafka to acknowledge 3 event(s) of the oldest transaction, for 12 s (it stops after "
+                                "300 s)")
+    st.acks.inflight.clear()
+    st.cursor = SimpleNamespace(asked_at=time.monotonic() - 11, silence_s=60.0)
+    assert st.metrics()["waiting_for"] == "PostgreSQL to answer, for 11 s (it stops after 60 s: source.stall_timeout_s)"
