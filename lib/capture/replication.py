@@ -96,15 +96,21 @@ class Stream:
                 self.wal_end = end
             return start, payload
         now = time.monotonic()
-        if self.asked_at is not None and now - self.asked_at > self.silence_s:
+        if now - self.last_status >= self.status_interval_s:
+            self.send_status(reply=self.asked_at is None and now - self.last_heard >= self.status_interval_s)
+        message = self._read_batch() if self._reader is not None else self._read_one()
+        # only a read that found nothing counts: after the loop was busy elsewhere (a full producer queue) the
+        # server's reply may be waiting unread
+        if message is None and self.asked_at is not None and time.monotonic() - self.asked_at > self.silence_s:
+            now = time.monotonic()
             raise psycopg2.OperationalError(
                 f"the server sent nothing for {now - self.last_heard:.0f} s, not even the reply to a status message "
                 f"that asked for one {now - self.asked_at:.0f} s ago (source.stall_timeout_s): the connection "
                 f"stalls (a network that drops packets, or a frozen server)")
-        if now - self.last_status >= self.status_interval_s:
-            self.send_status(reply=self.asked_at is None and now - self.last_heard >= self.status_interval_s)
-        if self._reader is not None:
-            return self._read_batch()
+        return message
+
+    def _read_one(self) -> tuple[int, bytes] | None:
+        """One message through ctypes (no compiled reader), or None."""
         consumed = False
         while True:
             size = _pq.PQgetCopyData(self._conn, ctypes.byref(self._buf), 1)
