@@ -6,10 +6,11 @@ import socket
 import time
 from types import SimpleNamespace
 
+import psycopg2
 import pytest
 
 from lib import topics
-from lib.capture import delivery
+from lib.capture import delivery, replication
 from lib.capture.stream_state import Acks, DeliveryError, State, StreamError
 
 
@@ -98,3 +99,32 @@ def test_the_capture_says_what_it_waits_for_after_ten_seconds(conf):
     st.acks.inflight.clear()
     st.cursor = SimpleNamespace(asked_at=time.monotonic() - 11, silence_s=60.0)
     assert st.metrics()["waiting_for"] == "PostgreSQL to answer, for 11 s (it stops after 60 s: source.stall_timeout_s)"
+
+
+class _Reader:
+    """A compiled reader's stand-in: hands out the batches given, then nothing."""
+
+    def __init__(self, *batches):
+        self.batches, self.keepalive_end, self.reply = list(batches), 0, False
+
+    def read(self, limit):
+        return (self.batches.pop(0) if self.batches else []), 0
+
+
+def _stream(reader) -> replication.Stream:
+    stream = replication.Stream.__new__(replication.Stream)
+    stream.status_interval_s, stream.silence_s, stream.last_status = 5.0, 1.0, time.monotonic()
+    stream.wal_end = stream._keepalive_end = stream._failed = stream._next = 0
+    stream._batch, stream._reader = [], reader
+    stream.last_heard = stream.asked_at = time.monotonic() - 30  # asked 30 s ago, while the loop was busy elsewhere
+    return stream
+
+
+def test_a_reply_waiting_unread_after_a_long_block_is_not_silence():
+    stream = _stream(_Reader([(10, b"payload", 20)]))
+    assert stream.read() == (10, b"payload") and stream.asked_at is None
+
+
+def test_a_read_that_finds_nothing_long_after_asking_is_a_stall():
+    with pytest.raises(psycopg2.OperationalError, match=r"sent nothing for 30 s, not even the reply .* stalls"):
+        _stream(_Reader()).read()
