@@ -156,9 +156,7 @@ def kill_recorded(name: str, pid_file: Path) -> int:
     pid = process.read_pid(pid_file)
     if not pid or not process.pid_alive(pid):
         raise RuntimeError(f"{name} is not running (pid file {pid_file})")
-    os.kill(pid, signal.SIGKILL)
-    gone = lambda: process.reap(pid) or not process.pid_alive(pid)  # noqa: E731 - reaped if it was our child
-    bench_env.wait_for(gone, 30, f"{name} (pid {pid}) to die after kill -9")
+    process.kill_now(pid)
     pid_file.unlink(missing_ok=True)
     return pid
 

@@ -26,6 +26,7 @@ from capture_thread import CaptureThread
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import ConfigResource
 from psycopg2 import sql
+from waiting import until
 
 from lib import config, kafka_client, schema_registry, topics
 from lib.capture import bootstrap, snapshot, stream
@@ -75,13 +76,13 @@ def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_end
     writer = threading.Thread(target=pg_failover.write_load, args=(conf, stop, writes), daemon=True)
     writer.start()
     capture = CaptureThread(conf, stop)
-    _until(lambda: len(writes) >= 300, 60, "300 writes")
+    until(lambda: len(writes) >= 300, 60, "300 writes")
 
     busiest, leader = kafka_brokers.busiest_partition(conf, [t for t in owned if not t.endswith("__cdc_control")])
     kafka_brokers.kill(live_stack, leader)
     kafka_brokers.wait_new_leader(live_stack, busiest, leader, 60)
     streamed = len(writes)
-    _until(lambda: len(writes) >= streamed + 200, 60, "200 more writes after the leader's loss")
+    until(lambda: len(writes) >= streamed + 200, 60, "200 more writes after the leader's loss")
     assert capture.is_alive() and not capture.failures, capture.failures  # a new leader took over: nothing to do
 
     second = next(n for n in kafka_brokers.NODES if n != leader)
@@ -93,7 +94,7 @@ def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_end
     assert "the slot stays at" in str(capture.failures[0])
 
     kafka_brokers.up(live_stack, log=lambda line: None)
-    _until(lambda: keeper.unreachable(conf, "capture") is None, 60, "the partitions to take writes again")
+    until(lambda: keeper.unreachable(conf, "capture") is None, 60, "the partitions to take writes again")
     stop.set()
     writer.join(30)
     stream.run(conf, until="caught_up")
@@ -104,12 +105,6 @@ def test_losing_a_leader_and_then_the_quorum_waits_resumes_from_the_slot_and_end
     results = reconcile.reconcile(conf, spark_session)
     assert [(r["table"], r["equal"]) for r in results] == [(t, True) for t in TABLES], results
 
-
-def _until(done, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.2)
 
 
 def _admin(conf: dict):

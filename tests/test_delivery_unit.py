@@ -51,7 +51,7 @@ def test_a_transaction_with_nothing_pending_is_not_a_stall():
     delivery.advance(st)
     time.sleep(0.1)
     delivery.advance(st)
-    assert st.acks.progress == (None, 0)
+    assert st.acks.progress_tx is None
 
 
 def _metadata(answering_port: int, closed_port: int, isrs: list[int]):

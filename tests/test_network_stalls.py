@@ -16,6 +16,7 @@ import pytest
 import topic_rows
 from capture_thread import CaptureThread
 from psycopg2 import sql
+from waiting import until
 
 from lib import config, source
 from lib.capture import stream
@@ -46,7 +47,7 @@ def test_a_stall_past_wal_sender_timeout_stops_the_capture_which_resumes_exact_f
     link.stall()
     stalled = time.monotonic()
     _write(src, range(201, 401))  # straight to the server: only the capture's link stalls
-    _until(lambda: not _walsender_runs(src, link), 30, "the server to end the walsender (wal_sender_timeout)")
+    until(lambda: not _walsender_runs(src, link), 30, "the server to end the walsender (wal_sender_timeout)")
     capture.join(60)
     assert not capture.is_alive(), "the capture still waits on a link that sends nothing"
     assert isinstance(capture.failures[0], StreamError), capture.failures
@@ -79,7 +80,7 @@ def _streaming(src, rows: int) -> CaptureThread:
     """The capture running, rows 1..rows written and in the topic."""
     capture = CaptureThread(src.conf, pg_options=WAL_SENDER_TIMEOUT)
     _write(src, range(1, rows + 1))
-    _until(lambda: len(topic_rows.latest_rows(src, "items")) == rows, 60, f"the first {rows} rows in the topic")
+    until(lambda: len(topic_rows.latest_rows(src, "items")) == rows, 60, f"the first {rows} rows in the topic")
     return capture
 
 
@@ -104,10 +105,3 @@ def _walsender_runs(src, link: Link) -> bool:
             return bool(cur.fetchone()[0])
     finally:
         conn.close()
-
-
-def _until(done, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.2)

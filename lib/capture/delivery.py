@@ -125,13 +125,13 @@ def advance(st: State) -> None:
     if moved:
         slot_position.release(st)
     if inflight and inflight[0][0]:  # Kafka owes acknowledgements of the oldest transaction
-        mark = (inflight[0], inflight[0][0])
-        if mark[0] is not acks.progress[0] or mark[1] != acks.progress[1]:
-            acks.progress, acks.progress_at = mark, time.monotonic()
+        oldest = inflight[0]
+        if oldest is not acks.progress_tx or oldest[0] != acks.progress_pending:
+            acks.progress_tx, acks.progress_pending, acks.progress_at = oldest, oldest[0], time.monotonic()
         elif time.monotonic() - acks.progress_at > acks.delivery_timeout_s:
             _stalled(st)
     else:
-        acks.progress = (None, 0)
+        acks.progress_tx = None
     if st.acks.delivery_errors:
         topic, partition, err = st.acks.delivery_errors[0]
         raise DeliveryError(

@@ -41,9 +41,10 @@ class Acks:
         self.inflight: deque[list] = deque()  # per transaction: [pending, end_lsn, commit_ms, commit_lsn, error]
         self.delivery_errors: list[tuple] = []
         self.last_commit_ms: int | None = None  # commit time of the last transaction Kafka acknowledged
-        # Kafka's progress on the oldest transaction in flight: (its tracker, its pending count) when last seen to
+        # Kafka's progress on the oldest transaction in flight: its tracker and pending count when last seen to
         # move, and since when (delivery.advance stops the capture when it has not moved for delivery_timeout_s)
-        self.progress: tuple = (None, 0)
+        self.progress_tx: list | None = None
+        self.progress_pending = 0
         self.progress_at = time.monotonic()
         self.delivery_timeout_s = 300.0
 

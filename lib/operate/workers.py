@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from lib import config, control
+from lib import config, control, source
 from lib.operate import metrics, monitor
 
 LEASE_INTERVALS, LEASE_SLACK_S = 3, 30.0  # a service's lease outlives a few missed metrics intervals
@@ -64,7 +64,6 @@ def _drop_lease(conf: dict, name: str) -> None:
 
 def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, log=print) -> dict:
     """The capture in this process until stopped (SIGTERM, stop_event, max_seconds); appends metrics records."""
-    from lib import source
     from lib.capture import stream
 
     interval = metrics.metrics_interval_s(conf)
@@ -108,8 +107,6 @@ def capture_record(conf: dict, m: dict, previous: dict, conn=None) -> dict:
                 "interval_events_per_table": {t: n - before.get(t, 0) for t, n in per_table.items()},
                 "interval_events_per_s": m.get("interval_events_per_s", m.get("events_per_s")),
                 "truncates": sum((m.get("truncates") or {}).values())})
-    from lib import source
-
     try:
         if conn is None or conn.closed:
             raise ConnectionError("no connection to PostgreSQL for the slot's figures")
