@@ -25,6 +25,7 @@ from lib.capture import (
     catalog,
     changes,
     delivery,
+    heap,
     incremental,
     incremental_chunks,
     native,
@@ -432,6 +433,8 @@ def _tick(st: State) -> bool:
         if st.metrics_callback is not None:
             st.metrics_callback(st.metrics(interval))
         st.interval_events = st.events
+        st.trimmed_at = heap.maybe_trim(st.events + st.tombstones, st.trimmed_at,
+                                        not st.acks.inflight and st.tx is None)
     return st.stop_reason is not None
 
 

@@ -120,6 +120,7 @@ class State:
         self.per_table: Counter = Counter()
         self.truncates: Counter = Counter()
         self.interval_events = 0
+        self.trimmed_at = 0  # st.events when the heap was last trimmed (heap.py)
         self.caught_up = False
 
     def metrics(self, interval_s: float | None = None) -> dict:
