@@ -46,7 +46,7 @@ import freshness_bench  # noqa: E402
 
 from lib import config, source  # noqa: E402
 from lib.lake import fresh_read, lake_paths, reconcile  # noqa: E402
-from lib.operate import metrics, monitor, service  # noqa: E402
+from lib.operate import metrics, monitor, process, service  # noqa: E402
 from lib.views import masking  # noqa: E402
 
 
@@ -107,29 +107,19 @@ def mixed_writer(conf: dict, tables: list[str], rate: float, stop: threading.Eve
 
 def resident_mb(conf: dict) -> dict[str, float]:
     """Per service: VmRSS in MB of its keeper and every descendant (the service, a merge's JVM)."""
-    parents, rss = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                status = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines()
-                              if ":" in line)
-            except OSError:
-                continue
-            parents[int(entry)] = int(status["PPid"])
-            rss[int(entry)] = int(status.get("VmRSS", "0 kB").split()[0]) / 1024
     found = {}
     for row in service.status(conf):
-        root = row.get("pid")
-        if not root:
-            continue
-        total = 0.0
-        for pid in rss:
-            walk = pid
-            while walk != root and walk in parents and walk > 1:
-                walk = parents[walk]
-            total += rss[pid] if walk == root else 0.0
-        found[row["service"]] = round(total, 1)
+        if row.get("pid"):
+            found[row["service"]] = round(sum(_rss_mb(pid) for pid in process.tree(row["pid"])), 1)
     return found
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
 
 
 def retained_wal_mb(conf: dict) -> float:

@@ -16,7 +16,7 @@ import json
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-from lib import config, secrets
+from lib import config, secrets, waiting
 
 COMPATIBILITY_LEVELS = ("BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL",
                         "FULL_TRANSITIVE", "NONE")
@@ -46,10 +46,13 @@ def canonical_json(schema) -> str:
     return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def client(conf: dict) -> SchemaRegistryClient:
+def client(conf: dict, timeout_s: float = 30, retries: int | None = None) -> SchemaRegistryClient:
     """A SchemaRegistryClient for registry.url; basic auth when registry.user/password are in conf, and
-    registry.ssl_ca_location as the CA of an https registry whose certificate is not publicly signed."""
-    settings = {"url": config.get(conf, "registry.url"), "timeout": 30}
+    registry.ssl_ca_location as the CA of an https registry whose certificate is not publicly signed.
+    ``retries``: the client's retries of a failed request (None: its default, 3)."""
+    settings = {"url": config.get(conf, "registry.url"), "timeout": timeout_s}
+    if retries is not None:
+        settings["max.retries"] = retries
     ca = config.pem_file(conf, "registry.ssl_ca_location", "the registry's certificate")
     if ca:
         settings["ssl.ca.location"] = ca
@@ -76,7 +79,13 @@ def register(client: SchemaRegistryClient, subject: str, schema_dict: dict,
     if compatibility is not None and compatibility not in COMPATIBILITY_LEVELS:
         raise ValueError(f"compatibility must be one of {', '.join(COMPATIBILITY_LEVELS)}, not {compatibility!r}")
     schema = Schema(canonical_json(schema_dict), "AVRO")
-    url = _url(client)
+    url = url_of(client)
+    with asking(url, subject):
+        return _register(client, subject, schema, compatibility, url)
+
+
+def _register(client: SchemaRegistryClient, subject: str, schema: Schema, compatibility: str | None,
+              url: str | None) -> tuple[int, int, str]:
     found, subject_exists = _lookup(client, subject, schema, url)
     if found is not None:
         return found.schema_id, found.version, "exists"
@@ -104,12 +113,13 @@ def register(client: SchemaRegistryClient, subject: str, schema_dict: dict,
 
 def first_version(client: SchemaRegistryClient, subject: str) -> tuple[int, dict] | None:
     """(id, schema) of the first version under subject (what a topic's first key bytes carry), or None without one."""
-    url = _url(client)
+    url = url_of(client)
     try:
-        versions = client.get_versions(subject)
-        if not versions:
-            return None
-        first = client.get_version(subject, versions[0])
+        with asking(url, subject):
+            versions = client.get_versions(subject)
+            if not versions:
+                return None
+            first = client.get_version(subject, versions[0])
     except SchemaRegistryError as exc:
         if exc.http_status_code == 404:
             return None
@@ -122,10 +132,11 @@ def first_version(client: SchemaRegistryClient, subject: str) -> tuple[int, dict
 def existing(client: SchemaRegistryClient, names) -> list[str]:
     """The subjects among names that the registry holds, each asked by name (a registry's subject list is paged:
     Apicurio's holds the first 1,000)."""
-    url, found = _url(client), []
+    url, found = url_of(client), []
     for subject in names:
         try:
-            client.get_versions(subject)
+            with asking(url, subject):
+                client.get_versions(subject)
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
                 continue
@@ -136,7 +147,13 @@ def existing(client: SchemaRegistryClient, names) -> list[str]:
     return found
 
 
-def _url(client) -> str | None:
+def asking(url: str | None, subject: str | int):
+    """Mark this thread as waiting for the registry (lib/waiting.py) while a request runs: a stalled registry holds
+    the call for up to the client's timeout and retries, and `make status` says so meanwhile."""
+    return waiting.on(f"the schema registry at {url or '?'} to answer (subject {subject})")
+
+
+def url_of(client) -> str | None:
     """The registry URL the client talks to (for messages; never includes credentials we add)."""
     try:
         return str(client.config().get("url"))

@@ -128,3 +128,58 @@ def test_a_reply_waiting_unread_after_a_long_block_is_not_silence():
 def test_a_read_that_finds_nothing_long_after_asking_is_a_stall():
     with pytest.raises(psycopg2.OperationalError, match=r"sent nothing for 30 s, not even the reply .* stalls"):
         _stream(_Reader()).read()
+
+
+def test_a_full_producer_queue_is_marked_while_the_capture_waits_for_room(monkeypatch, conf):
+    from lib import waiting
+
+    said = []
+
+    class _FullThenRoom:  # refuses the first three messages (queue full), then takes them
+        def __init__(self):
+            self.refusals, self.sent = 3, []
+
+        def produce(self, topic, value, key, on_delivery=None, headers=None):
+            if self.refusals:
+                self.refusals -= 1
+                raise BufferError("Local: Queue full")
+            self.sent.append((topic, key, value))
+
+        def poll(self, timeout):
+            said.append(waiting.longest(0.0))
+
+    st = State(conf, "forever", 10.0, 10.0, None, None, None, print)
+    st.producer, st.tracker, st.on_delivery = _FullThenRoom(), [0, None], None
+    monkeypatch.setattr(delivery, "keepalive", lambda st: None)
+    plan = SimpleNamespace(topic="t", qualified="s.t")
+    delivery.produce(st, plan, [(b"k1", b"v1"), (b"k2", b"v2")])
+    assert st.producer.sent == [("t", b"k1", b"v1"), ("t", b"k2", b"v2")] and st.events == 2 and st.tracker[0] == 2
+    assert len(said) == 3 and all(s.startswith(f"Kafka at {conf['kafka']['bootstrap_servers']} to take more messages "
+                                               f"(the producer's queue is full), for ") for s in said), said
+    assert waiting.longest(0.0) is None  # the mark ends with the wait
+
+
+def test_a_wait_mark_names_the_oldest_wait_of_the_process_and_nested_marks_keep_the_outer():
+    import threading
+
+    from lib import waiting
+
+    assert waiting.longest(0.0) is None
+    inner_seen, release = [], threading.Event()
+
+    def other_thread():
+        with waiting.on("the registry"):
+            release.wait(5)
+
+    with waiting.on("Kafka"):
+        time.sleep(0.05)
+        helper = threading.Thread(target=other_thread)
+        helper.start()
+        time.sleep(0.05)
+        with waiting.on("something inside"):
+            inner_seen.append(waiting.longest(0.0))
+        assert waiting.longest(60.0) is None  # not waited that long yet
+        release.set()
+        helper.join()
+    assert inner_seen[0].startswith("Kafka, for "), inner_seen
+    assert waiting.longest(0.0) is None

@@ -10,7 +10,9 @@ resumes from the slot, and the topic ends on every row of the table.
 
 from __future__ import annotations
 
+import threading
 import time
+from urllib.parse import urlparse
 
 import pytest
 import topic_rows
@@ -22,7 +24,7 @@ from lib import config, source
 from lib.capture import stream
 from lib.capture.stream_state import StreamError
 from lib.local.stack.links import Link
-from lib.operate import keeper
+from lib.operate import keeper, metrics, workers
 
 pytestmark = pytest.mark.stack
 
@@ -74,6 +76,40 @@ def test_a_link_cut_mid_transfer_stops_the_capture_without_acknowledging_and_a_r
     assert not capture.is_alive() and isinstance(capture.failures[0], StreamError), capture.failures
     stream.run(src.conf, until="caught_up", pg_options=WAL_SENDER_TIMEOUT)
     assert _source_rows(src) == topic_rows.latest_rows(src, "items")
+
+
+def test_a_capture_inside_a_stalled_registry_call_says_so_in_its_records_and_goes_on_when_the_link_returns(
+        small_source, tmp_path):
+    src = small_source("CREATE TABLE {s}.items (id int PRIMARY KEY, v text)")
+    url = urlparse(config.get(src.conf, "registry.url"))
+    link = Link((url.hostname, url.port)).start()
+    src.conf = config.apply_overrides(src.conf, {
+        "CDC__REGISTRY__URL": url._replace(netloc=f"{url.hostname}:{link.port}").geturl(),
+        "CDC__SERVICE__DIR": str(tmp_path), "CDC__SERVICE__METRICS_INTERVAL_S": "1"})
+    stop = threading.Event()
+    service = threading.Thread(target=workers.run_capture, args=(src.conf, stop), kwargs={"log": lambda line: None},
+                               daemon=True)
+    service.start()
+    try:
+        _write(src, range(1, 51))
+        until(lambda: len(topic_rows.latest_rows(src, "items")) == 50, 60, "the first 50 rows in the topic")
+        link.stall()
+        with src.admin.cursor() as cur:  # a new column: the capture registers the table's next schema version
+            cur.execute(sql.SQL("ALTER TABLE {0}.items ADD COLUMN note text; INSERT INTO {0}.items VALUES "
+                                "(51, 'v51', 'after the DDL')").format(sql.Identifier(src.schema)))
+        said = until(lambda: next((r["waiting_for"] for r in metrics.records(src.conf, "capture")[-3:]
+                                   if r.get("waiting_for")), None), 30, "a record naming what the capture waits for")
+        assert said.startswith(f"the schema registry at http://{url.hostname}:{link.port}/") and ".items-" in said, said
+        link.resume()
+        until(lambda: len(topic_rows.latest_rows(src, "items")) == 51, 90, "row 51 in the topic")
+        assert topic_rows.latest_rows(src, "items")[51]["note"] == "after the DDL"
+        assert service.is_alive(), "the capture stopped instead of waiting for the registry"
+        assert not metrics.records(src.conf, "capture", last=1)[0].get("waiting_for")
+    finally:
+        link.resume()
+        stop.set()
+        service.join(60)
+        link.close()
 
 
 def _streaming(src, rows: int) -> CaptureThread:

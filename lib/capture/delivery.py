@@ -9,7 +9,7 @@ import psycopg2
 import psycopg2.errors
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from lib import config, kafka_client, topics
+from lib import config, kafka_client, topics, waiting
 from lib.capture import events, slot_position
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.stream_state import DeliveryError, State, StreamError
@@ -64,27 +64,50 @@ def produce(st: State, plan: events.Plan, pairs: list) -> None:
         chunk["changed"].extend((commit_lsn, k[5:]) for k, _ in pairs)
     for k, v in pairs:
         tracker[0] += 1
-        while True:
-            try:
-                if v.__class__ is list:  # a tombstone, with the position of its delete in the headers
-                    produce(topic, None, k, on_delivery=delivered, headers=v)
-                else:
-                    produce(topic, v, k, on_delivery=delivered)
-                break
-            except BufferError:  # queue full: let librdkafka deliver
-                st.producer.poll(0.05)
-                advance(st)
-                keepalive(st)
-            except KafkaException as exc:
-                tracker[0] -= 1
-                raise DeliveryError(f"cannot produce to topic {topic} (table {plan.qualified}): "
-                                    f"{exc.args[0].str()}{_size_remedy(exc.args[0], topic, len(k) + len(v))}; the "
-                                    f"slot stays at {lsn_to_str(st.acks.acked)}") from exc
+        try:
+            if v.__class__ is list:  # a tombstone, with the position of its delete in the headers
+                produce(topic, None, k, on_delivery=delivered, headers=v)
+            else:
+                produce(topic, v, k, on_delivery=delivered)
+        except BufferError:  # queue full: let librdkafka deliver
+            _produce_when_room(st, plan, k, v)
+        except KafkaException as exc:
+            tracker[0] -= 1
+            raise _produce_error(st, plan, k, v, exc) from exc
         if v.__class__ is list:
             st.tombstones += 1
         else:
             st.events += 1
             st.per_table[plan.qualified] += 1
+
+
+def _produce_when_room(st: State, plan: events.Plan, k: bytes, v) -> None:
+    """Produce one message once the producer's queue has room, keeping the slot alive meanwhile; the wait is marked
+    (lib/waiting.py) so that the service's metrics name it while it lasts."""
+    servers = config.get(st.conf, "kafka.bootstrap_servers")
+    with waiting.on(f"Kafka at {servers} to take more messages (the producer's queue is full)"):
+        while True:
+            st.producer.poll(0.05)
+            advance(st)
+            keepalive(st)
+            try:
+                if v.__class__ is list:
+                    st.producer.produce(plan.topic, None, k, on_delivery=st.on_delivery, headers=v)
+                else:
+                    st.producer.produce(plan.topic, v, k, on_delivery=st.on_delivery)
+                return
+            except BufferError:
+                continue
+            except KafkaException as exc:
+                st.tracker[0] -= 1
+                raise _produce_error(st, plan, k, v, exc) from exc
+
+
+def _produce_error(st: State, plan: events.Plan, k: bytes, v, exc: KafkaException) -> DeliveryError:
+    size = len(k) + (len(v) if v.__class__ is not list else 0)
+    return DeliveryError(f"cannot produce to topic {plan.topic} (table {plan.qualified}): {exc.args[0].str()}"
+                         f"{_size_remedy(exc.args[0], plan.topic, size)}; the slot stays at "
+                         f"{lsn_to_str(st.acks.acked)}")
 
 
 def producer(conf: dict, slot: str) -> tuple[Producer, float]:

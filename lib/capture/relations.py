@@ -263,7 +263,8 @@ def _columns(table: catalog.Table) -> dict[str, str]:
 def _registered_columns(st: State, subject: str) -> dict[str, str] | None:
     """Column name -> SQL type ('pg.type') of the subject's latest registered version; None if unknown."""
     try:
-        latest = json.loads(st.registry.get_latest_version(subject).schema.schema_str)
+        with schema_registry.asking(schema_registry.url_of(st.registry), subject):
+            latest = json.loads(st.registry.get_latest_version(subject).schema.schema_str)
         value = avro_schemas.value_record(latest)
         return {f.get("pg.column", f["name"]): f.get("pg.type", "?") for f in value["fields"]}
     except Exception:  # noqa: BLE001 - only used to describe a change

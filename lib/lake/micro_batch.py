@@ -47,6 +47,7 @@ class MergeContext:
     appended: dict = field(default_factory=dict)  # dead-letter path -> last batch id appended by this context
     retired: frozenset = frozenset()  # topics re-keyed tables wrote before: read (Spark needs it), skipped
     active: bool = False  # a micro-batch is running now (the silver cadence waits for bronze to be idle)
+    active_since: float | None = None  # when the running micro-batch began (monotonic seconds)
     checkpoint: str | None = None  # the query's checkpoint: where its id is found when no session lists the query
 
     def spec(self, topic: str) -> TableSpec | None:
@@ -115,7 +116,7 @@ def process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
     Safe to run again with the same batch_id (a retried batch): a log or dead-letter append that was
     committed is found by its batch id and not repeated.
     """
-    ctx.active = True
+    ctx.active, ctx.active_since = True, time.monotonic()
     try:
         return _process_batch(batch, batch_id, ctx)
     except BaseException as exc:

@@ -44,7 +44,8 @@ class Schemas:
         deadline, delay = time.monotonic() + self.wait_s, 0.5
         while True:
             try:
-                self.by_id[schema_id] = json.loads(self.client.get_schema(schema_id).schema_str)
+                with schema_registry.asking(self.url, f"schema id {schema_id}"):
+                    self.by_id[schema_id] = json.loads(self.client.get_schema(schema_id).schema_str)
                 self.missing.pop(schema_id, None)
                 return self.by_id[schema_id]
             except SchemaRegistryError as exc:
@@ -63,18 +64,19 @@ class Schemas:
     def versions(self, subject: str, refresh: bool = False) -> list[int]:
         """Schema ids of every version of subject, oldest first ([] when the subject does not exist)."""
         if refresh or subject not in self.subject_ids:
-            try:
-                numbers = sorted(self.client.get_versions(subject))
-            except SchemaRegistryError as exc:
-                if exc.http_status_code != 404:
-                    raise MergeError(f"schema registry {self.url} failed to list versions of {subject} "
-                                     f"(HTTP {exc.http_status_code}): {exc.error_message}") from exc
-                numbers = []
-            ids = []
-            for number in numbers:
-                registered = self.client.get_version(subject, number)
-                self.by_id.setdefault(registered.schema_id, json.loads(registered.schema.schema_str))
-                ids.append(registered.schema_id)
+            with schema_registry.asking(self.url, subject):
+                try:
+                    numbers = sorted(self.client.get_versions(subject))
+                except SchemaRegistryError as exc:
+                    if exc.http_status_code != 404:
+                        raise MergeError(f"schema registry {self.url} failed to list versions of {subject} "
+                                         f"(HTTP {exc.http_status_code}): {exc.error_message}") from exc
+                    numbers = []
+                ids = []
+                for number in numbers:
+                    registered = self.client.get_version(subject, number)
+                    self.by_id.setdefault(registered.schema_id, json.loads(registered.schema.schema_str))
+                    ids.append(registered.schema_id)
             self.subject_ids[subject] = ids
         return self.subject_ids[subject]
 

@@ -242,7 +242,7 @@ def unreachable(conf: dict, name: str, timeout_s: float = 5.0) -> str | None:
     if missing:  # some brokers answer, but not those the pipeline's partitions need
         return f"Kafka at {servers} ({missing})"
     try:
-        registry = schema_registry.client(conf)
+        registry = schema_registry.client(conf, timeout_s=timeout_s, retries=0)  # a stalled registry: not minutes
     except misconfigured:
         return None
     try:

@@ -275,6 +275,8 @@ def status(conf: dict, spark=None, all_slots: bool = False) -> dict:
     if capture_now and capture_now.get("waiting_for"):
         warnings.append(f"the capture service waits for {capture_now['waiting_for']}")
     merge_now = merge_last if _fresh(merge_last, conf, running["merge"]) else None
+    if merge_now and merge_now.get("waiting_for"):
+        warnings.append(f"the merge service waits for {merge_now['waiting_for']}")
     tables = []
     for spec in lake_paths.table_specs(conf):
         topic_lag = lag.get(spec.topic, {})

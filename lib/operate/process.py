@@ -29,6 +29,21 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def tree(root: int) -> set[int]:
+    """root and every process descending from it (a service's keeper, the service, a merge's JVM and workers)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, StopIteration, ValueError):
+                lines = Path(f"/proc/{entry}/status").read_text().splitlines()
+                parents[int(entry)] = int(next(line for line in lines if line.startswith("PPid:")).split()[1])
+    found, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in found} - found
+        found, grew = found | more, bool(more)
+    return found
+
+
 def read_pid(pid_file: Path) -> int | None:
     """The pid recorded in pid_file, or None when there is none."""
     try:

@@ -13,10 +13,12 @@ import signal
 import threading
 import time
 
-from lib import config, control, source
+from lib import config, control, source, waiting
 from lib.operate import metrics, monitor
 
 LEASE_INTERVALS, LEASE_SLACK_S = 3, 30.0  # a service's lease outlives a few missed metrics intervals
+QUIET_INTERVALS = 2  # a loop that wrote no record for this many metrics intervals is inside a call: say what it awaits
+LONG_BATCH_S = 30.0  # a merge micro-batch (or Spark's offset fetch) running this long: ask its dependencies
 
 
 class _StopFlag:
@@ -70,6 +72,7 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
     previous: dict = {}
     conn = source.connect(conf)
     conn.autocommit = True
+    watch = QuietWatch(conf, "capture", interval)
 
     def on_metrics(m: dict) -> None:
         nonlocal conn
@@ -78,7 +81,7 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
             with contextlib.suppress(source.SourceError):
                 conn = source.connect(conf, connect_timeout=5)
                 conn.autocommit = True
-        metrics.record(conf, "capture", capture_record(conf, m, previous, conn))
+        watch.record(capture_record(conf, m, previous, conn))
         _renew_lease(conf, "capture", log)
 
     _renew_lease(conf, "capture", log, force=True)
@@ -90,8 +93,42 @@ def run_capture(conf: dict, stop_event=None, max_seconds: float | None = None, l
         on_metrics(result)
         _drop_lease(conf, "capture")  # a clean stop; after a crash the keeper starts it again, the lease stays
     finally:
+        watch.stop()
         conn.close()
     return result
+
+
+class QuietWatch:
+    """A service's metrics records, and a thread that writes one when the service's loop has written none for
+    QUIET_INTERVALS intervals (it is inside a call: a registry request retried, a full producer queue): the last
+    record again, no events in the interval, and what the process waits for (lib/waiting.py)."""
+
+    def __init__(self, conf: dict, name: str, interval_s: float):
+        self.conf, self.name, self.interval_s = conf, name, interval_s
+        self.lock, self.last, self.at = threading.Lock(), None, time.monotonic()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"{name}-quiet-watch", daemon=True)
+        self.thread.start()
+
+    def record(self, record: dict) -> None:
+        """Write the loop's own record."""
+        with self.lock:
+            metrics.record(self.conf, self.name, record)
+            self.last, self.at = record, time.monotonic()
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.interval_s):
+            with self.lock:
+                quiet = time.monotonic() - self.at
+                if self.last is None or quiet < QUIET_INTERVALS * self.interval_s:
+                    continue
+                what = waiting.longest(0.0) or f"a call to return (its loop has been inside one for {quiet:.0f} s)"
+                metrics.record(self.conf, self.name, {**self.last, "waiting_for": what, "quiet_s": round(quiet, 1),
+                                                      "interval_s": self.interval_s, "interval_events_per_table": {},
+                                                      "interval_events_per_s": 0.0})
+
+    def stop(self) -> None:
+        self.stopping.set()
 
 
 def capture_record(conf: dict, m: dict, previous: dict, conn=None) -> dict:
@@ -143,6 +180,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     failures = 0
     _renew_lease(conf, "merge", log, force=True)
     cadence = SilverCadence(conf, spark, log)
+    waits = MergeWaits(conf)
     try:
         while True:
             query = merge.start(conf, spark, "processing_time", interval)
@@ -164,7 +202,8 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                     merge.refresh(query)  # over Spark Connect: its batches from Spark's progress (else nothing)
                     if time.monotonic() - last >= every:
                         last = time.monotonic()
-                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record()})
+                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record(),
+                                                       "waiting_for": waits.now(ctx, query)})
                         _renew_lease(conf, "merge", log)
             finally:
                 _stop_query(query, float(config.get(conf, "service.stop_grace_s")), log)
@@ -190,6 +229,40 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     finally:
         cadence.stop()
         stop.restore()
+
+
+class MergeWaits:
+    """What the merge waits for, when it does: a marked call of this process (the registry, lib/waiting.py), or the
+    dependency that does not answer (keeper.unreachable) once a micro-batch or Spark's offset fetch has run for
+    LONG_BATCH_S; None while it works or a long batch has nothing to blame."""
+
+    def __init__(self, conf: dict):
+        self.conf = conf
+        self.status = (None, time.monotonic())  # Spark's last status message of the query, and since when
+        self.probed = (0.0, None)  # when the dependencies were last asked, and what did not answer
+
+    def now(self, ctx, query) -> str | None:
+        from lib.operate import keeper
+
+        marked = waiting.longest()
+        if marked:
+            return marked
+        try:
+            status = query.status
+        except Exception:  # noqa: BLE001 - the query just ended: nothing to say
+            return None
+        message = status.get("message") if status.get("isTriggerActive") else None
+        if message != self.status[0]:
+            self.status = (message, time.monotonic())
+        began = getattr(ctx, "active_since", None) if getattr(ctx, "active", False) else None
+        running = max(time.monotonic() - began if began is not None else 0.0,
+                      time.monotonic() - self.status[1] if message else 0.0)
+        if running < LONG_BATCH_S:
+            return None
+        if time.monotonic() - self.probed[0] >= LONG_BATCH_S:
+            self.probed = (time.monotonic(), keeper.unreachable(self.conf, "merge"))
+        down = self.probed[1]
+        return f"{down}: Spark's {message or 'micro-batch'!r} has run for {running:.0f} s" if down else None
 
 
 class SilverCadence:
