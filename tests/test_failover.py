@@ -13,6 +13,7 @@ The schema registry stays in the stack's own PostgreSQL, which does not fail ove
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import uuid
@@ -22,8 +23,8 @@ import pytest
 from capture_thread import CaptureThread
 
 from lib import config, control, source
-from lib.capture import bootstrap, slot_position, snapshot, stream
-from lib.capture.pgoutput import str_to_lsn
+from lib.capture import bootstrap, slot_position, snapshot, snapshot_slot, stream
+from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.capture.stream_state import StreamError
 from lib.lake import merge, reconcile
 from lib.local.stack import pg_failover
@@ -104,3 +105,60 @@ def test_a_promoted_standby_continues_the_stream_from_its_failover_slot_and_silv
     results = reconcile.reconcile(on_standby, spark_session)
     assert [(r["table"], r["equal"]) for r in results] == [(t, True) for t in TABLES], results
 
+
+
+def test_a_promoted_standby_that_missed_what_the_capture_delivered_is_refused_with_the_remedy(pair):
+    """Without synchronized_standby_slots the primary streams the capture WAL its standby has not received: here the
+    standby's WAL receiver is stopped (SIGSTOP) while the capture delivers, then killed with the bytes it held, and
+    the primary crashes. The promoted standby's timeline forks below what the capture confirmed: it must stop."""
+    on_primary, on_standby = pair
+    slot = config.get(on_primary, "source.slot")
+    bootstrap.run(on_primary, log=lambda line: None)
+    repl, consistent, _ = snapshot_slot.create_slot_with_snapshot(on_primary, log=lambda line: None)
+    repl.close()  # a failover slot (source.failover_slot); the tables' rows before it are not this test's subject
+    control.put(on_primary, f"snapshot/{slot}", {"state": "complete", "consistent_lsn": consistent, "rows": {}})
+    stop, writes = threading.Event(), []
+    writer = threading.Thread(target=pg_failover.write_load, args=(on_primary, stop, writes), daemon=True)
+    writer.start()
+    capture = CaptureThread(on_primary, stop)
+    _until_recorded_past(on_primary, slot, consistent, capture)
+    pg_failover.wait_synced(on_standby, slot, lsn_to_str(consistent))  # the standby's copy follows, for now
+
+    _sql(on_primary, "ALTER SYSTEM SET synchronized_standby_slots = ''", "SELECT pg_reload_conf()")  # left out
+    receiver = _sql(on_standby, "SELECT pid FROM pg_stat_wal_receiver")
+    os.kill(receiver, signal.SIGSTOP)  # the standby receives nothing more: it lags behind the primary
+    try:
+        received = str_to_lsn(_sql(on_standby, "SELECT pg_last_wal_receive_lsn()::text"))
+        _until_recorded_past(on_primary, slot, received, capture)  # delivered, and recorded, past the standby
+    finally:
+        os.kill(receiver, signal.SIGKILL)  # what it held unread goes with it
+    pg_failover.crash(on_primary)
+    writer.join(30)
+    capture.join(60)
+    stop.set()
+    pg_failover.promote(on_standby)
+
+    with pytest.raises(StreamError, match=rf"slot {slot} on .* is on timeline 2 \(a promoted standby\) and its history "
+                                          r"forked from timeline 1 at .*, but the capture confirmed .* on timeline 1.*"
+                                          r"Set synchronized_standby_slots on the primary"):
+        stream.run(on_standby, until="caught_up")
+
+
+def _until_recorded_past(conf: dict, slot: str, lsn: int, capture: CaptureThread) -> None:
+    """Until the capture's position record (what it confirms to the slot next) is past lsn."""
+    deadline = time.monotonic() + 60
+    while str_to_lsn((control.read_all(conf).get(slot_position.key(slot)) or {}).get("lsn", "0/0")) <= lsn:
+        assert time.monotonic() < deadline and capture.is_alive(), (lsn_to_str(lsn), capture.failures)
+        time.sleep(0.2)
+
+
+def _sql(server: dict, *statements: str):
+    """Run statements as the server's superuser; the first column of the last one's first row."""
+    conn = pg_failover.superuser(server)
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+            return cur.fetchone()[0]
+    finally:
+        conn.close()
