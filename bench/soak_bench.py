@@ -19,8 +19,8 @@ At the end: the seconds until the lake had caught up, then every table reconcile
 ``--mixed`` (``make soak``, issue 30's hour): the writer also deletes rows and changes keys (of the rows it
 made), a DDL (``ADD COLUMN``) hits one table every ``--ddl-minutes`` and is timed until the lake caught up
 with it, and one transaction of ``--big-rows`` rows commits at ``--big-minute``. Every minute it records each
-service's resident memory (VmRSS summed over the keeper, the service and their children: the merge's JVM
-included) and the WAL the slot retains. The report adds the memory ratio (the highest RSS in minutes 50-60
+service's resident memory (proportional set sizes summed over the keeper, the service and their children: the
+merge's JVM included) and the WAL the slot retains. The report adds the memory ratio (the highest RSS in minutes 50-60
 over the lowest in minutes 10-20, per service), the retained WAL outside the big transaction, the catch-up
 after each DDL and after the big transaction.
 """
@@ -106,20 +106,22 @@ def mixed_writer(conf: dict, tables: list[str], rate: float, stop: threading.Eve
 
 
 def resident_mb(conf: dict) -> dict[str, float]:
-    """Per service: VmRSS in MB of its keeper and every descendant (the service, a merge's JVM)."""
+    """Per service: resident memory in MB of its keeper and every descendant (the service, a merge's JVM), each
+    process counted by its proportional set size: pages shared between processes (a child the JVM forks, until it
+    execs) are counted once, where a sum of VmRSS counted the JVM twice for a fork caught mid-way."""
     found = {}
     for row in service.status(conf):
         if row.get("pid"):
-            found[row["service"]] = round(sum(_rss_mb(pid) for pid in process.tree(row["pid"])), 1)
+            found[row["service"]] = round(sum(_pss_mb(pid) for pid in process.tree(row["pid"])), 1)
     return found
 
 
-def _rss_mb(pid: int) -> float:
+def _pss_mb(pid: int) -> float:
     try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
     except OSError:
         return 0.0
-    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmRSS:")), 0.0)
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("Pss:")), 0.0)
 
 
 def retained_wal_mb(conf: dict) -> float:
