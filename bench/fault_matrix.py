@@ -434,11 +434,11 @@ def case_brokers(ctx: dict, cycles: int, log) -> float:
     return ended
 
 
-def _stall(ctx: dict, name: str, seconds: float, log, during=None) -> float:
-    """Stall every link of ctx's named dependency for seconds (during(): what to do meanwhile), then resume."""
+def _stall(ctx: dict, name: str, seconds: float, log, during=None, clients: set[int] | None = None) -> float:
+    """Stall every link of ctx's named dependency for seconds (during(): what to do meanwhile), then resume.
+    ``clients``: only those processes' connections stall (Link.stall), the others flow."""
     links = ctx["links"][name]
-    for link in links:
-        link.stall()
+    held = sum(link.stall(clients=clients) for link in links)
     began = time.monotonic()
     if during is not None:
         during()
@@ -446,7 +446,9 @@ def _stall(ctx: dict, name: str, seconds: float, log, during=None) -> float:
     for link in links:
         link.resume()
     ended = time.monotonic()
-    log(f"  {name}: every link stalled {ended - began:.0f} s (no byte moved, no connection refused), then resumed")
+    whose = "every" if clients is None else f"{len(clients)} processes' connections on each"
+    log(f"  {name}: {whose} link stalled {ended - began:.0f} s ({held} open connection(s) held, new ones unanswered, "
+        f"none refused), then resumed")
     return ended
 
 
@@ -462,18 +464,9 @@ def case_stall_kafka(ctx: dict, cycles: int, log) -> float:
 def case_stall_kafka_merge(ctx: dict, cycles: int, log) -> float:
     """Only the merge's connections to the three brokers stall for KAFKA_STALL_S (its process tree's, its JVM's
     included); the capture's go on, and so does the load."""
-    conf = ctx["conf"]
     for _ in range(cycles):
-        merge = tree(keeper.state(conf, "merge")["pid"])
-        held = sum(link.stall(clients=merge) for link in ctx["links"]["kafka"])
-        began = time.monotonic()
-        time.sleep(KAFKA_STALL_S)
-        for link in ctx["links"]["kafka"]:
-            link.resume()
-        ended = time.monotonic()
-        log(f"  kafka: the merge's links stalled {ended - began:.0f} s ({held} open connection(s) held, new ones "
-            f"unanswered; {len(merge)} processes), the capture's flowing; then resumed")
-        wait_running(conf)
+        ended = _stall(ctx, "kafka", KAFKA_STALL_S, log, clients=tree(keeper.state(ctx["conf"], "merge")["pid"]))
+        wait_running(ctx["conf"])
     return ended
 
 

@@ -254,7 +254,7 @@ class MergeWaits:
         message = status.get("message") if status.get("isTriggerActive") else None
         if message != self.status[0]:
             self.status = (message, time.monotonic())
-        began = getattr(ctx, "active_since", None) if getattr(ctx, "active", False) else None
+        began = ctx.active_since if ctx.active else None  # over Spark Connect: active, its start unknown
         running = max(time.monotonic() - began if began is not None else 0.0,
                       time.monotonic() - self.status[1] if message else 0.0)
         if running < LONG_BATCH_S:

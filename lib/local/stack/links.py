@@ -146,7 +146,7 @@ class Link:
                 _reset(upstream)
                 return
             self._open.add(upstream)
-        ended = [0, client]
+        ended = [0]
         for a, b in ((client, upstream), (upstream, client)):
             threading.Thread(target=self._pump, args=(a, b, ended, gate), daemon=True).start()
 
@@ -173,8 +173,8 @@ class Link:
         with self._lock:
             ended[0] += 1
             if ended[0] == 2:
-                self._gates.pop(ended[1], None)
                 for sock in (source, sink):
+                    self._gates.pop(sock, None)
                     self._open.discard(sock)
                     sock.close()
 
