@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -242,3 +243,25 @@ def test_a_lease_is_renewed_once_a_third_of_its_validity_has_passed_not_on_every
     workers._renew_lease(conf, "capture", log=print)  # another service's lease is its own
     workers._renew_lease(conf, "merge", log=print, force=True)
     assert renewed == [("merge", 36.0)] * 2 + [("capture", 36.0), ("merge", 36.0)]
+
+
+def _delta_commit(folder, version: int, meta: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"commitInfo": {"operation": "WRITE", "userMetadata": json.dumps(meta)}}
+    (folder / f"{version:020d}.json").write_text(json.dumps(info) + "\n")
+
+
+def test_silver_is_behind_until_it_holds_bronze_or_the_commits_taken_earlier(conf, tmp_path):
+    from lib.lake import lake_paths
+
+    conf = {**conf, "lake": {"root": str(tmp_path / "lake")}}
+    bronze = Path(lake_paths.bronze_path(conf)) / "_delta_log"
+    silver = Path(lake_paths.silver_path(conf, lake_paths.table_specs(conf)[0])) / "_delta_log"
+    _delta_commit(bronze, 0, {"seq": 4, "touched": {"bank.customers": 4}})
+    _delta_commit(silver, 0, {"bronze_seq": 4})
+    assert monitor.silver_behind(conf) == {}
+    holding = monitor.bronze_touched(conf)
+    _delta_commit(bronze, 1, {"seq": 7, "touched": {"bank.customers": 7}})  # writes go on after the end offsets
+    assert monitor.silver_behind(conf) == {"bank.customers": 3}
+    assert monitor.silver_behind(conf, touched=holding) == {}
+    assert monitor.silver_behind(conf, touched={"bank.customers": 6}) == {"bank.customers": 2}

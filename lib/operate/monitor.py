@@ -188,21 +188,30 @@ def kafka_lag(conf: dict) -> dict[str, dict]:
     return result
 
 
-def silver_behind(conf: dict, spark=None) -> dict[str, int]:
-    """Per table with events silver has not applied: how many bronze log commits it is behind ({}: silver holds
-    everything bronze has). Local lakes are read from the Delta logs' files, so no Spark is needed."""
+def bronze_touched(conf: dict, spark=None) -> dict[str, int]:
+    """Per table: the newest bronze log commit (_seq) holding one of its events; read from the Delta log."""
     from lib.lake import delta_io
 
     log_meta = delta_io.newest_metadata(spark, lake_paths.bronze_path(conf), "seq") or {}
+    return {table: int(seq) for table, seq in (log_meta.get("touched") or {}).items()}
+
+
+def silver_behind(conf: dict, spark=None, touched: dict[str, int] | None = None) -> dict[str, int]:
+    """Per table with events silver has not applied: how many bronze log commits it is behind ({}: silver holds
+    everything bronze has, or everything up to touched, a bronze_touched() taken earlier). Local lakes are read
+    from the Delta logs' files, so no Spark is needed."""
+    from lib.lake import delta_io
+
+    touched = bronze_touched(conf, spark) if touched is None else touched
     behind = {}
     for spec in lake_paths.table_specs(conf):
-        touched = int((log_meta.get("touched") or {}).get(spec.qualified, -1))
-        if touched < 0:
+        needed = touched.get(spec.qualified, -1)
+        if needed < 0:
             continue
         applied = delta_io.newest_metadata(spark, lake_paths.silver_path(conf, spec), "bronze_seq") or {}
         done = int(applied.get("bronze_seq", -1))
-        if touched > done:
-            behind[spec.qualified] = touched - done
+        if needed > done:
+            behind[spec.qualified] = needed - done
     return behind
 
 
@@ -483,7 +492,10 @@ def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1
                                f"behind: {behind}; is the merge running? {config.make(conf, 'status')}")
         time.sleep(poll_s)
     bronze_s = round(time.monotonic() - began, 1)
-    while behind := silver_behind(conf, spark):  # silver: every table has applied the log commits holding them
+    # Silver must hold the bronze commits that held Kafka's end offsets, not bronze's newest: under writes bronze
+    # commits every trigger, and a moving target is reached only when a silver step happens to end between two.
+    holding = bronze_touched(conf, spark)
+    while behind := silver_behind(conf, spark, holding):
         if time.monotonic() > deadline:
             raise TimeoutError(f"silver did not apply the bronze log within {timeout_s:.0f} s (bronze holds Kafka's "
                                f"end offsets); log commits behind per table: {behind}; is the merge running? "
