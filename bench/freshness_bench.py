@@ -158,7 +158,7 @@ def run(n: int, args, log) -> dict:
         threads[0].start()
         time.sleep(2)  # the consumer is assigned before the first write
         threads += [threading.Thread(target=write, daemon=True), threading.Thread(target=watch_silver, daemon=True)]
-        cpu_before = bench_env.cpu_seconds(conf)
+        cpu_before, window_began = bench_env.cpu_seconds(conf), time.monotonic()
         for thread in threads[1:]:
             thread.start()
         deadline = time.monotonic() + args.seconds + float(config.get(conf, "merge.silver_interval_s")) + 60
@@ -180,6 +180,7 @@ def run(n: int, args, log) -> dict:
         for thread in threads:
             thread.join(60)
         cpu_after = bench_env.cpu_seconds(conf)
+        window_s = time.monotonic() - window_began
         fresh = [seen_fresh[r] - committed[r] for r in committed if r in seen_fresh]
         silver = [seen_silver[r] - committed[r] for r in committed if r in seen_silver]
         legs = stages(conf, topic, committed, arrived, seen_fresh)
@@ -202,7 +203,8 @@ def run(n: int, args, log) -> dict:
                   "cpu_s": {k: round(cpu_after.get(k, 0) - cpu_before.get(k, 0), 1) for k in cpu_after}}
         f, s = (result[part] for part in ("fresh", "silver"))
         log(f"{n} table(s): fresh p50 {f.get('p50', float('nan')):.2f} s p99 {f.get('p99', float('nan')):.2f} s; "
-            f"silver p50 {s.get('p50', float('nan')):.2f} s p99 {s.get('p99', float('nan')):.2f} s")
+            f"silver p50 {s.get('p50', float('nan')):.2f} s p99 {s.get('p99', float('nan')):.2f} s; CPU s "
+            f"{result['cpu_s']} over {window_s:.0f} s")
         return result
     finally:
         service.stop(conf, log=lambda *a: None)
