@@ -297,6 +297,15 @@ def is_remote(spark) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+def runs_on(spark) -> str:
+    """Where a session's queries run, in words: 'local[2]', 'spark://host:port' or 'Spark Connect, master ...'."""
+    try:
+        master = spark.conf.get("spark.master")
+    except Exception:  # noqa: BLE001 - a server may refuse to show it (Databricks serverless)
+        master = "not shown by the server"
+    return f"Spark Connect, master {master}" if is_remote(spark) else master
+
+
 def remote_session(url: str, settings: dict | None = None):
     """A Spark Connect session at url (spark.remote), checked: Delta's SQL, the Kafka source, lib/ shipped, and
     the server's Python the same major.minor as this one. Settings the server lets a session change are set."""

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import shop_database
 
 from lib import config
 from lib.local.stack import process, spark_cluster
@@ -85,16 +86,22 @@ def test_over_connect_delta_runs_on_the_cluster_and_executors_do_not_have_the_pr
         spark.stop()
 
 
+def _spark_env(cluster, target: str) -> dict:
+    """This process's environment for a process of target's own on the test's cluster (its ports): the session
+    settings as CDC__ overrides, without the Connect mode flags this process's own session set."""
+    conf = cluster[0]
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")}
+    return {**inherited, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
+            "CDC__SPARK__REMOTE": spark_cluster.connect_url(conf) if target == "connect" else "",
+            "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
+            "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
+            "CDC__SPARK__LOCAL_METASTORE": "false"}
+
+
 def _target(cluster, target: str, folder) -> dict:
     """tests/spark_target.py for target in a process of its own, on the test's cluster (its ports)."""
-    conf = cluster[0]
-    inherited = {k: v for k, v in os.environ.items()  # this process's Connect session set pyspark's mode flags
-                 if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")}
-    env = {**inherited, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
-           "CDC__SPARK__REMOTE": spark_cluster.connect_url(conf) if target == "connect" else "",
-           "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
-           "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
-           "CDC__SPARK__LOCAL_METASTORE": "false"}
+    env = _spark_env(cluster, target)
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("spark_target.py")), target, str(folder)],
                           env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TARGET ")]
@@ -131,17 +138,11 @@ def assert_unreachable_named(message: str) -> None:
 def _pipeline(cluster, target: str, folder) -> dict:
     """tests/pipeline_on_target.py for target in a process of its own, on the test's cluster, with its own slot,
     topics, lake and job runs."""
-    conf, tag = cluster[0], uuid.uuid4().hex[:6]
-    inherited = {k: v for k, v in os.environ.items()
-                 if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")}
-    env = {**inherited, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
-           "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
-           "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
+    tag = uuid.uuid4().hex[:6]
+    env = {**{k: v for k, v in _spark_env(cluster, target).items() if k != "CDC__SPARK__LOCAL_METASTORE"},
            "CDC__SOURCE__SLOT": f"cdc_e2e_{target}_{tag}", "CDC__SOURCE__PUBLICATION": f"cdc_e2e_{target}_{tag}",
            "CDC__KAFKA__TOPIC_PREFIX": f"cdc_e2e_{target}_{tag}", "CDC__LAKE__ROOT": str(folder / "lake"),
            "CDC__JOBS__RUNS_DIR": str(folder / "runs")}
-    if target == "connect":
-        env["CDC__SPARK__REMOTE"] = spark_cluster.connect_url(conf)
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("pipeline_on_target.py")), target],
                           env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PIPELINE ")]
@@ -168,6 +169,18 @@ def test_the_notebooks_job_a_write_load_and_the_continuous_merge_end_exact_on_th
                                 "after_stop": []}, facts["one_run"]  # one run per checkpoint, stopped by name
     expected, *differences = facts["drift"]  # reconcile reads the source on the executors, names the changed column
     assert differences == [{"branch_code": expected["expected"], "kind": "different", "columns": ["city"]}]
+
+
+def test_the_own_database_job_runs_through_connect_exact_with_no_planted_value(cluster, tmp_path, drop_slot):
+    with shop_database.job(cluster[0], tmp_path, drop_slot, environ=_spark_env(cluster, "connect")) as shop:
+        job = shop["job"]
+        assert job.returncode == 0, f"job failed:\n{job.stdout[-4000:]}\n{job.stderr[-4000:]}"
+        assert [path.stem for path in shop["runs"]] == ["01_bootstrap_slot", "02_snapshot", "03_stream_to_kafka",
+                                                         "04_merge_into_delta", "05_masking_views"]
+        text = "\n".join(path.read_text() for path in shop["runs"])
+        assert f"(Spark Connect, master {spark_cluster.master_url(cluster[0])})" in text  # notebooks 02 and 04
+        assert f"source == silver in all {len(shop_database.TABLES)} tables" in text  # notebook 04's reconcile
+        assert [canary for canary in shop_database.CANARIES if canary in text] == []
 
 
 def test_a_connect_target_with_no_server_names_the_address_and_the_remedy(tmp_path):
