@@ -74,9 +74,9 @@ def superuser(server: dict, dbname: str = "postgres"):
 
 
 @contextlib.contextmanager
-def job(live_stack: dict, folder, drop_slot, spark: dict | None = None, environ: dict | None = None):
-    """The shop database with rows, conf/<target>.yml in folder (spark: settings over conf/local.yml's spark
-    section), and `python -m lib.operate.jobs --target <it> -p continuous false` run on it (as the bundle's job
+def job(live_stack: dict, folder, drop_slot, environ: dict | None = None):
+    """The shop database with rows, conf/<target>.yml in folder (environ: the job's environment, CDC__ overrides
+    included), and `python -m lib.operate.jobs --target <it> -p continuous false` run on it (as the bundle's job
     runs them); yields {conf, owner, job, runs}. Drops the database, roles, slot and topics afterwards."""
     server = pg_versions.up(live_stack, [MAJOR], log=lambda line: None)[MAJOR]
     tag = uuid.uuid4().hex[:8]
@@ -119,7 +119,6 @@ def job(live_stack: dict, folder, drop_slot, spark: dict | None = None, environ:
         raw["service"]["dir"] = str(folder / "pipeline")
         raw["masking"].update(database=f"shop_views_{tag}", privileged_database=f"shop_private_{tag}",
                               tables=POLICY)
-        raw["spark"] = {**raw["spark"], **(spark or {})}
         (folder / "conf").mkdir()
         (folder / "conf" / f"{target}.yml").write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**(environ or os.environ), **passwords, "CDC_CONF_DIR": str(folder / "conf")}
@@ -135,3 +134,14 @@ def job(live_stack: dict, folder, drop_slot, spark: dict | None = None, environ:
             drop_slot(conf, target)
         owner.close()
         server_roles.remove(root, server_conf, database, [reader, owner_role], passwords)
+
+
+def executed(shop: dict) -> str:
+    """The executed notebooks' text, once the job succeeded with all five in order; no planted value in it."""
+    done = shop["job"]
+    assert done.returncode == 0, f"job failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert [path.stem for path in shop["runs"]] == ["01_bootstrap_slot", "02_snapshot", "03_stream_to_kafka",
+                                                     "04_merge_into_delta", "05_masking_views"]
+    text = "\n".join(path.read_text() for path in shop["runs"])
+    assert [canary for canary in CANARIES if canary in text] == []
+    return text
