@@ -155,13 +155,20 @@ def version(stack_dir: Path) -> str:
     return "?"
 
 
+def new_cluster_id() -> str:
+    """A random cluster id in Kafka's form; never one starting with '-', which the format tool reads as an option."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 def format_storage(java_bin: str, stack_dir: Path, where: dict[str, Path]) -> None:
     """Format the metadata log once, with a fresh cluster id."""
     if (where["data"] / "meta.properties").is_file():
         return
-    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     command = [java_bin, "-cp", classpath(stack_dir), f"-Dlog4j2.configurationFile={where['log4j']}",
-               "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(where["properties"])]
+               "kafka.tools.StorageTool", "format", "-t", new_cluster_id(), "-c", str(where["properties"])]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise StackError(f"kafka: formatting storage in {where['data']} failed; remove that folder "

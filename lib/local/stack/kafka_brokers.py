@@ -15,12 +15,10 @@ case ``brokers``, tests/test_brokers.py) and for trying the pipeline against a r
 
 from __future__ import annotations
 
-import base64
 import copy
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 from lib import config
@@ -118,7 +116,7 @@ def cluster_id(conf: dict) -> str:
     path = stack_dir(conf) / "kafka-brokers" / "cluster.id"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("="))
+        path.write_text(kafka.new_cluster_id())
     return path.read_text().strip()
 
 
