@@ -95,13 +95,12 @@ def _spark_env(cluster, target: str) -> dict:
     return {**inherited, "CDC__SPARK__JARS_DIR": str(config.get(conf, "spark.jars_dir")),
             "CDC__SPARK__REMOTE": spark_cluster.connect_url(conf) if target == "connect" else "",
             "CDC__SPARK__SETTINGS__SPARK.MASTER": spark_cluster.master_url(conf),
-            "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1])),
-            "CDC__SPARK__LOCAL_METASTORE": "false"}
+            "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(spark_cluster.python(cluster[1]))}
 
 
 def _target(cluster, target: str, folder) -> dict:
     """tests/spark_target.py for target in a process of its own, on the test's cluster (its ports)."""
-    env = _spark_env(cluster, target)
+    env = {**_spark_env(cluster, target), "CDC__SPARK__LOCAL_METASTORE": "false"}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("spark_target.py")), target, str(folder)],
                           env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("TARGET ")]
@@ -139,7 +138,7 @@ def _pipeline(cluster, target: str, folder) -> dict:
     """tests/pipeline_on_target.py for target in a process of its own, on the test's cluster, with its own slot,
     topics, lake and job runs."""
     tag = uuid.uuid4().hex[:6]
-    env = {**{k: v for k, v in _spark_env(cluster, target).items() if k != "CDC__SPARK__LOCAL_METASTORE"},
+    env = {**_spark_env(cluster, target),
            "CDC__SOURCE__SLOT": f"cdc_e2e_{target}_{tag}", "CDC__SOURCE__PUBLICATION": f"cdc_e2e_{target}_{tag}",
            "CDC__KAFKA__TOPIC_PREFIX": f"cdc_e2e_{target}_{tag}", "CDC__LAKE__ROOT": str(folder / "lake"),
            "CDC__JOBS__RUNS_DIR": str(folder / "runs")}
@@ -172,7 +171,8 @@ def test_the_notebooks_job_a_write_load_and_the_continuous_merge_end_exact_on_th
 
 
 def test_the_own_database_job_runs_through_connect_exact_with_no_planted_value(cluster, tmp_path, drop_slot):
-    with shop_database.job(cluster[0], tmp_path, drop_slot, environ=_spark_env(cluster, "connect")) as shop:
+    environ = {**_spark_env(cluster, "connect"), "CDC__SPARK__LOCAL_METASTORE": "false"}
+    with shop_database.job(cluster[0], tmp_path, drop_slot, environ=environ) as shop:
         text = shop_database.executed(shop)
         assert f"(Spark Connect, master {spark_cluster.master_url(cluster[0])})" in text  # notebooks 02 and 04
         assert f"source == silver in all {len(shop_database.TABLES)} tables" in text  # notebook 04's reconcile
