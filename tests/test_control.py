@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
@@ -35,18 +37,26 @@ def test_missing_control_topic_says_to_run_notebook_01(live_stack, run_id):
         control.read_all(conf, timeout=5)
 
 
-def _segment_settings(conf: dict) -> dict:
+def _segment_settings(conf: dict, expected: dict, timeout_s: float = 15.0) -> dict:
+    """The topic's segment settings once they equal expected (or the last read after timeout_s): a broker answers
+    describe_configs from its own copy of the metadata, which can trail an alter the controller already committed."""
     admin = AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")})
     resource = ConfigResource(ConfigResource.Type.TOPIC, control.topic(conf))
-    found = admin.describe_configs([resource])[resource].result(30)
-    return {key: int(float(found[key].value)) if key == "segment.ms" else float(found[key].value)
-            for key in control.SEGMENT_SETTINGS}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = admin.describe_configs([resource])[resource].result(30)
+        settings = {key: int(float(found[key].value)) if key == "segment.ms" else float(found[key].value)
+                    for key in control.SEGMENT_SETTINGS}
+        if settings == expected or time.monotonic() > deadline:
+            return settings
+        time.sleep(0.2)
 
 
 def test_the_topic_rolls_short_segments_so_kafka_compacts_the_records_that_repeat(control_conf):
-    assert _segment_settings(control_conf) == control.SEGMENT_SETTINGS
+    assert _segment_settings(control_conf, control.SEGMENT_SETTINGS) == control.SEGMENT_SETTINGS
     admin = AdminClient({"bootstrap.servers": config.get(control_conf, "kafka.bootstrap_servers")})
-    topics.set_configs(admin, control.topic(control_conf), {"segment.ms": 604800000})  # as an older bootstrap made it
-    assert _segment_settings(control_conf)["segment.ms"] == 604800000
+    older = {**control.SEGMENT_SETTINGS, "segment.ms": 604800000}  # as an older bootstrap made it
+    topics.set_configs(admin, control.topic(control_conf), {"segment.ms": 604800000})
+    assert _segment_settings(control_conf, older) == older
     assert control.ensure(control_conf) == "exists"
-    assert _segment_settings(control_conf) == control.SEGMENT_SETTINGS
+    assert _segment_settings(control_conf, control.SEGMENT_SETTINGS) == control.SEGMENT_SETTINGS
