@@ -32,7 +32,7 @@ import time
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaException, Producer, TopicPartition
 
-from lib import config, kafka_client, topics
+from lib import config, kafka_client, topics, waiting
 
 
 class ControlError(RuntimeError):
@@ -74,7 +74,8 @@ def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> Non
     value = None if record is None else json.dumps(record, sort_keys=True).encode()
     producer.produce(topic(conf), key=key.encode(), value=value,
                      on_delivery=lambda err, msg: failures.append(err) if err else None)
-    remaining = producer.flush(timeout)
+    with waiting.on(f"Kafka at {config.get(conf, 'kafka.bootstrap_servers')} to acknowledge {key} in {topic(conf)}"):
+        remaining = producer.flush(timeout)
     if remaining or failures:
         reason = failures[0] if failures else f"not acknowledged within {timeout:.0f} s"
         raise ControlError(f"could not write {key} to {topic(conf)}: {reason}; check that Kafka at "
@@ -83,6 +84,11 @@ def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> Non
 
 def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
     """Every key's latest record (tombstoned keys left out), read from the start to the end."""
+    with waiting.on(f"Kafka at {config.get(conf, 'kafka.bootstrap_servers')} to give {topic(conf)}'s records"):
+        return _read_all(conf, timeout)
+
+
+def _read_all(conf: dict, timeout: float) -> dict[str, dict]:
     consumer = kafka_client.consumer(conf, "cdc-control-reader", **{"auto.offset.reset": "earliest"})
     name = topic(conf)
     try:
@@ -187,7 +193,7 @@ class Tail:
     """
 
     def __init__(self, conf: dict) -> None:
-        self.name = topic(conf)
+        self.name, self.servers = topic(conf), config.get(conf, "kafka.bootstrap_servers")
         self.records: dict[str, dict] = {}
         self._bad: dict[str, str] = {}
         self._consumer = kafka_client.consumer(conf, "cdc-control-tail")
@@ -196,6 +202,10 @@ class Tail:
 
     def catch_up(self, timeout: float = 30.0) -> dict[str, dict]:
         """Read up to the topic's end as of now (blocks up to timeout); the records."""
+        with waiting.on(f"Kafka at {self.servers} to give {self.name}'s records up to its end"):
+            return self._catch_up(timeout)
+
+    def _catch_up(self, timeout: float) -> dict[str, dict]:
         try:
             _, high = self._consumer.get_watermark_offsets(TopicPartition(self.name, 0), timeout=timeout)
         except KafkaException as exc:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
-from lib import waiting
+from lib import config, control, waiting
 from lib.operate import keeper, workers
 
 
@@ -42,3 +43,26 @@ def test_a_long_micro_batch_whose_dependencies_answer_is_not_a_wait(conf, monkey
     monkeypatch.setattr(keeper, "unreachable", lambda c, name: None)
     ctx = SimpleNamespace(active=True, active_since=time.monotonic() - 90)
     assert workers.MergeWaits(conf).now(ctx, _Query("Processing new data")) is None
+
+
+def test_a_control_record_kafka_does_not_acknowledge_is_marked_while_the_capture_waits(conf):
+    silent = config.apply_overrides(conf, {"CDC__KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:9"})
+    failed = []
+    put = threading.Thread(target=lambda: _record_failure(failed, silent))
+    put.start()
+    seen = None
+    while put.is_alive() and seen is None:
+        seen = waiting.longest(0.0)
+        time.sleep(0.05)
+    put.join()
+    assert seen is not None and seen.startswith(
+        f"Kafka at 127.0.0.1:9 to acknowledge snapshot/s1 in {control.topic(silent)}, for "), seen
+    assert failed and "could not write snapshot/s1" in failed[0], failed
+    assert waiting.longest(0.0) is None  # the mark ends with the call
+
+
+def _record_failure(failed: list, conf: dict) -> None:
+    try:
+        control.put(conf, "snapshot/s1", {"state": "running"}, timeout=2.0)
+    except control.ControlError as exc:
+        failed.append(str(exc))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 
-from lib import config, control
+from lib import config, control, waiting
 from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.capture.stream_state import State, StreamError
 
@@ -138,6 +138,12 @@ def _recorded(st: State, lsn: int, err, msg) -> None:
 
 def record_now(st: State, timeout_s: float) -> None:
     """At the capture's stop: record the acknowledged position and wait for Kafka (bounded)."""
+    with waiting.on(f"Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')} to acknowledge the slot's "
+                    f"position record"):
+        _record_now(st, timeout_s)
+
+
+def _record_now(st: State, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if st.acks.recording is None:  # none in flight (or one for a smaller position came back): send the newest
