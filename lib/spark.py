@@ -424,15 +424,17 @@ def ship_project(spark) -> str:
     wanted = f"{sys.version_info[0]}.{sys.version_info[1]}"
     try:
         found = spark.range(1).select(F.udf(where_lib, "string")("id")).collect()[0][0]
-    except PythonException as exc:
-        raise TargetError(f"lib/ does not import in the Spark workers' Python after it was shipped "
-                          f"({str(exc).strip().splitlines()[-1]}): their interpreter (spark.pyspark.python, or the "
-                          f"server's PYSPARK_PYTHON) needs the packages of requirements.txt") from exc
     except Exception as exc:  # noqa: BLE001 - a version mismatch is refused before the function runs
-        if "PYTHON_VERSION_MISMATCH" not in str(exc):
-            raise
-        raise TargetError(f"the Spark workers run another Python than this process's {wanted}: give them Python "
-                          f"{wanted} (spark.pyspark.python, or the Connect server's PYSPARK_PYTHON)") from exc
+        theirs = re.search(r"worker has different version:? (\d+\.\d+)", str(exc))  # PySpark's message names it
+        if theirs or "PYTHON_VERSION_MISMATCH" in str(exc):
+            raise TargetError(f"the Spark workers run another Python{f' ({theirs.group(1)})' if theirs else ''} "
+                              f"than this process's {wanted}: give them Python {wanted} (spark.pyspark.python, or "
+                              f"the Connect server's PYSPARK_PYTHON)") from exc
+        if isinstance(exc, PythonException):
+            raise TargetError(f"lib/ does not import in the Spark workers' Python after it was shipped "
+                              f"({str(exc).strip().splitlines()[-1]}): their interpreter (spark.pyspark.python, or "
+                              f"the server's PYSPARK_PYTHON) needs the packages of requirements.txt") from exc
+        raise
     version = found.split(" ", 1)[0]
     if version != wanted:
         raise TargetError(f"the Spark workers run Python {version}, this process {wanted}: give them Python {wanted}")

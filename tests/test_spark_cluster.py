@@ -127,6 +127,32 @@ def test_the_connect_target_is_remote_with_delta_and_lib_shipped_to_the_server(c
     assert_unreachable_named(facts["unreachable"])
 
 
+# A stand-in for workers on another Python: the same interpreter telling PySpark's worker it is 3.10 (this machine has
+# one Python; what is checked is Spark's own version handshake and the error the project turns it into).
+_OTHER_PYTHON = """
+import runpy
+import sys
+
+sys.version_info = (3, 10, 0, "final", 0)
+module, sys.argv = sys.argv[2], [sys.argv[0], *sys.argv[3:]]  # called as: <this> -m pyspark.daemon
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def test_workers_on_another_python_are_refused_naming_both_versions_and_the_setting(cluster, tmp_path):
+    other = tmp_path / "python3.10"
+    other.write_text(f"#!{spark_cluster.python(cluster[1])}\n{_OTHER_PYTHON}")
+    other.chmod(0o755)
+    env = {**_spark_env(cluster, "cluster"), "CDC__SPARK__LOCAL_METASTORE": "false",
+           "CDC__SPARK__SETTINGS__SPARK.PYSPARK.PYTHON": str(other)}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("spark_target.py")), "cluster", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    wanted = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert done.returncode != 0 and not done.stdout.strip(), done.stdout
+    assert (f"the Spark workers run another Python (3.10) than this process's {wanted}: give them Python {wanted} "
+            f"(spark.pyspark.python, or the Connect server's PYSPARK_PYTHON)") in done.stderr, done.stderr[-3000:]
+
+
 def assert_unreachable_named(message: str) -> None:
     """An address the executors cannot reach is named with its setting, the worker's host and the remedy."""
     assert message.startswith("Spark's workers cannot reach what their tasks read or write: kafka.bootstrap_servers "
@@ -157,12 +183,16 @@ def test_the_notebooks_job_a_write_load_and_the_continuous_merge_end_exact_on_th
     assert facts["remote"] is (target == "connect") and facts["master"] == spark_cluster.master_url(cluster[0])
     assert facts["load"]["transactions"] == 80 and facts["stream"] > 80, facts
     assert facts["merge"]["silver_tables"] >= 1, facts["merge"]
-    assert len(facts["silver"]) == 8 and all(equal for equal, _ in facts["silver"].values()), facts["silver"]
+    assert len(facts["silver"]) == 7 and all(equal for equal, _ in facts["silver"].values()), facts["silver"]
     assert facts["fresh"] == {table: True for table in facts["silver"]}, facts["fresh"]
-    service = facts["service"]  # the continuous merge service, while a second load arrives
+    letter = facts["dead_letter"]  # set aside while its schema id was unknown, replayed once it was registered
+    assert letter["set_aside"] == ["unknown_schema_id"] and letter["registered_id"] == letter["late_id"], letter
+    assert (letter["replay"]["replayed"], letter["replay"]["still_dead"], letter["left"]) == (1, 0, 0), letter
+    service = facts["service"]  # the continuous merge service, while a second load arrives and a table is added
     assert "error" not in service and service["load"]["transactions"] == 80, service
-    assert service["totals"]["batches"] >= 1, service
-    assert facts["after_service"] == {table: True for table in facts["silver"]}, facts["after_service"]
+    assert service["totals"]["batches"] >= 1 and service["added"] == "ready", service
+    assert facts["after_service"] == {table: True for table in [*facts["silver"], "bank.statements"]}, \
+        facts["after_service"]
     name = facts["one_run"]["name"]
     assert facts["one_run"] == {"first_active": False, "second_active": True, "name": name, "active": [name],
                                 "after_stop": []}, facts["one_run"]  # one run per checkpoint, stopped by name

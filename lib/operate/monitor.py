@@ -455,7 +455,8 @@ def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1
     """Wait until the slot confirmed the WAL position of now, bronze holds Kafka's end offsets and silver has
     applied bronze; with the merge service running, also until its metrics history records that state.
 
-    Returns {'seconds', 'bronze_s', 'target_lsn', 'kafka_end'}; TimeoutError names the stage that is behind.
+    Returns {'seconds', 'bronze_s', 'silver_s', 'target_lsn', 'kafka_end'} (bronze_s, silver_s: when each was
+    found caught up; seconds: when the service's history recorded it too); TimeoutError names the stage behind.
     """
     began = time.monotonic()
     deadline = began + timeout_s
@@ -501,10 +502,11 @@ def wait_until_caught_up(conf: dict, timeout_s: float = 300.0, poll_s: float = 1
                                f"end offsets); log commits behind per table: {behind}; is the merge running? "
                                f"{config.make(conf, 'status')}")
         time.sleep(poll_s)
-    caught_at = datetime.now(timezone.utc)
+    caught_at, silver_s = datetime.now(timezone.utc), round(time.monotonic() - began, 1)
     if keeper.state(conf, "merge")["state"] == "running":  # its history then ends on this state too (lag 0)
         wait_until_recording(conf, caught_at, ("merge",), timeout_s=max(30.0, deadline - time.monotonic()))
-    return {"seconds": round(time.monotonic() - began, 1), "bronze_s": bronze_s, "target_lsn": target,
+    return {"seconds": round(time.monotonic() - began, 1), "bronze_s": bronze_s, "silver_s": silver_s,
+            "target_lsn": target,
             "kafka_end": {t: sum(p.values()) for t, p in ends.items()}}
 
 
