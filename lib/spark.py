@@ -56,7 +56,11 @@ def session(app_name: str, jars_dir: str | None = None, settings: dict[str, str]
     """Databricks' session unchanged, else a local[*] session with Delta, Kafka and Avro jars from jars_dir."""
     if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
         return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers (the snapshot's COPY reader) need this venv
+    interpreter = (settings or {}).get("spark.pyspark.python")
+    if interpreter:  # a session started from Python takes its workers' Python from the environment only (spark-submit
+        os.environ["PYSPARK_PYTHON"] = interpreter  # maps the setting there): without this the setting did nothing
+    else:
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers (the snapshot's COPY reader) need this venv
     jars = local_jars(jars_dir) if jars_dir else []
     if not jars:
         raise RuntimeError(f"no Spark jars in {jars_dir or '(no jars_dir given)'}: run `make install` to fetch them")

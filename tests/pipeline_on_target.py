@@ -145,8 +145,11 @@ def _newest_event(conf: dict, table: str) -> tuple[bytes, bytes, str]:
 
 def run(target: str) -> dict:
     """The job (without ADDED), the load, the catch-up and the checks on target; what each gave."""
-    tables_now = [t for t in config.get(config.load(target), "source.tables") if t != ADDED]
-    os.environ["CDC__SOURCE__TABLES"] = "[" + ", ".join(tables_now) + "]"  # the job's notebooks inherit it
+    every = config.load(target)  # the job's notebooks inherit these two: ADDED neither captured nor in the policy
+    captured = [t for t in config.get(every, "source.tables") if t != ADDED]
+    os.environ["CDC__SOURCE__TABLES"] = "[" + ", ".join(captured) + "]"
+    os.environ["CDC__MASKING__TABLES"] = json.dumps({t: columns for t, columns in config.get(every, "masking.tables")
+                                                     .items() if t != ADDED})
     ran = jobs.run(target, parameters={"continuous": False, "demo": False, "workload": 0},  # as the bundle's job
                    log=lambda line: print(line, file=sys.stderr))
     facts = {"job": {r["notebook"]: r["ok"] if r["ok"] else r["error"] for r in ran}}

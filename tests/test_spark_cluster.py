@@ -133,7 +133,11 @@ _OTHER_PYTHON = """
 import runpy
 import sys
 
-sys.version_info = (3, 10, 0, "final", 0)
+class Version(tuple):
+    major, minor, micro = (property(lambda self, i=i: self[i]) for i in range(3))
+
+
+sys.version_info = Version((3, 10, 0, "final", 0))
 module, sys.argv = sys.argv[2], [sys.argv[0], *sys.argv[3:]]  # called as: <this> -m pyspark.daemon
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
