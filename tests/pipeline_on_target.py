@@ -14,6 +14,7 @@ publication, topics, subjects). CDC__ overrides in the environment apply, as for
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import sys
@@ -83,6 +84,7 @@ def continuous(conf: dict, spark) -> dict:
         outcome["added"] = tables.add_table(added, ADDED, log=lambda line: print(line, file=sys.stderr))["state"]
         stop.set()
         thread.join(180)
+        outcome["stopped"] = [not thread.is_alive()]
         stop = threading.Event()
         thread = serve(added, stop)
         stream.run(added, until="caught_up", heartbeat_s=0)  # the added table's chunked snapshot included
@@ -90,6 +92,7 @@ def continuous(conf: dict, spark) -> dict:
     finally:
         stop.set()
         thread.join(180)
+        outcome["stopped"] = [*outcome.get("stopped", []), not thread.is_alive()]
     return outcome
 
 
@@ -217,8 +220,13 @@ def drift(conf: dict, spark) -> list[dict]:
 
 if __name__ == "__main__":
     name = sys.argv[1]
+    # A hang anywhere (CI once saw this process outlive the test's 1200 s after printing its result): every thread's
+    # stack on stderr and exit 1 before the test gives up, so the failure says where it waited.
+    faulthandler.dump_traceback_later(int(os.environ.get("CDC_E2E_WATCHDOG_S", "1100")), exit=True)
     every_table = config.load(name)
     try:
-        print("PIPELINE " + json.dumps(run(name), default=str))
+        print("PIPELINE " + json.dumps(run(name), default=str), flush=True)
     finally:
         teardown.run(every_table, topics=True, confirm=True, log=lambda line: print(line, file=sys.stderr))
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    print(f"e2e       done; threads Python waits for at exit: {left or 'none'}", file=sys.stderr, flush=True)

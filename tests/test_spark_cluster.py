@@ -175,7 +175,7 @@ def _pipeline(cluster, target: str, folder) -> dict:
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("pipeline_on_target.py")), target],
                           env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PIPELINE ")]
-    assert done.returncode == 0 and lines, done.stderr[-5000:]
+    assert done.returncode == 0 and lines, done.stderr[-12000:]
     return json.loads(lines[-1][len("PIPELINE "):])
 
 
@@ -195,6 +195,7 @@ def test_the_notebooks_job_a_write_load_and_the_continuous_merge_end_exact_on_th
     service = facts["service"]  # the continuous merge service, while a second load arrives and a table is added
     assert "error" not in service and service["load"]["transactions"] == 80, service
     assert service["totals"]["batches"] >= 1 and service["added"] == "ready", service
+    assert service["stopped"] == [True, True], service  # each stop of the service ended its thread within 180 s
     assert facts["after_service"] == {table: True for table in [*facts["silver"], "bank.statements"]}, \
         facts["after_service"]
     name = facts["one_run"]["name"]
