@@ -174,6 +174,7 @@ def _pipeline(cluster, target: str, folder) -> dict:
            "CDC__JOBS__RUNS_DIR": str(folder / "runs")}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("pipeline_on_target.py")), target],
                           env=env, capture_output=True, text=True, timeout=1200)
+    (folder / "pipeline.stderr").write_text(done.stderr)  # its log, kept with pytest's last three runs
     lines = [line for line in done.stdout.splitlines() if line.startswith("PIPELINE ")]
     assert done.returncode == 0 and lines, done.stderr[-12000:]
     return json.loads(lines[-1][len("PIPELINE "):])
