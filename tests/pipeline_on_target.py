@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import threading
+import time
 import uuid
 
 from confluent_kafka import Producer, TopicPartition
@@ -153,31 +154,53 @@ def run(target: str) -> dict:
     os.environ["CDC__SOURCE__TABLES"] = "[" + ", ".join(captured) + "]"
     os.environ["CDC__MASKING__TABLES"] = json.dumps({t: columns for t, columns in config.get(every, "masking.tables")
                                                      .items() if t != ADDED})
-    ran = jobs.run(target, parameters={"continuous": False, "demo": False, "workload": 0},  # as the bundle's job
-                   log=lambda line: print(line, file=sys.stderr))
-    facts = {"job": {r["notebook"]: r["ok"] if r["ok"] else r["error"] for r in ran}}
+    facts = {"seconds": {}}
+    with _phase(facts["seconds"], "job"):
+        ran = jobs.run(target, parameters={"continuous": False, "demo": False, "workload": 0},  # as the bundle's job
+                       log=lambda line: print(line, file=sys.stderr))
+    facts["job"] = {r["notebook"]: r["ok"] if r["ok"] else r["error"] for r in ran}
     if not all(r["ok"] for r in ran):
         return facts
     conf = config.load(target)
-    facts["load"] = write_load(conf, uuid.uuid4().hex[:6])
-    facts["stream"] = stream.run(conf, until="caught_up", heartbeat_s=0).get("events")
-    spark = spark_lib.from_conf(conf)
-    facts["remote"] = spark_lib.is_remote(spark)
-    facts["master"] = spark.conf.get("spark.master")
-    caught = merge.run_until_caught_up(conf, spark)
-    facts["merge"] = {"batches": caught["batches"], "silver_tables": caught["silver_tables"]}
-    facts["silver"] = {r["table"]: [r["equal"], r["source_rows"]] for r in reconcile.reconcile(conf, spark)}
-    tag = uuid.uuid4().hex[:6]  # views that keep every column, so that they compare with the source
-    keep = {"database": f"e2e_v_{tag}", "privileged_database": f"e2e_p_{tag}", "default": "keep"}
-    masking.create_views(conf, spark, keep)
-    fresh = {table: spark.table(masking.view(conf, table, "fresh", keep)) for table in facts["silver"]}
-    facts["fresh"] = {r["table"]: r["equal"] for r in reconcile.reconcile(conf, spark, against=fresh)}
-    facts["dead_letter"] = dead_letter_replay(conf, spark)
-    facts["service"] = continuous(conf, spark)
-    facts["after_service"] = {r["table"]: r["equal"] for r in reconcile.reconcile(with_added(conf), spark)}
-    facts["one_run"] = one_query_per_checkpoint(conf, spark)
-    facts["drift"] = drift(conf, spark)
+    with _phase(facts["seconds"], "load_and_capture"):
+        facts["load"] = write_load(conf, uuid.uuid4().hex[:6])
+        facts["stream"] = stream.run(conf, until="caught_up", heartbeat_s=0).get("events")
+    with _phase(facts["seconds"], "merge"):
+        spark = spark_lib.from_conf(conf)
+        facts["remote"] = spark_lib.is_remote(spark)
+        facts["master"] = spark.conf.get("spark.master")
+        caught = merge.run_until_caught_up(conf, spark)
+        facts["merge"] = {"batches": caught["batches"], "silver_tables": caught["silver_tables"]}
+    with _phase(facts["seconds"], "reconcile"):
+        facts["silver"] = {r["table"]: [r["equal"], r["source_rows"]] for r in reconcile.reconcile(conf, spark)}
+    with _phase(facts["seconds"], "views"):
+        tag = uuid.uuid4().hex[:6]  # views that keep every column, so that they compare with the source
+        keep = {"database": f"e2e_v_{tag}", "privileged_database": f"e2e_p_{tag}", "default": "keep"}
+        masking.create_views(conf, spark, keep)
+        fresh = {table: spark.table(masking.view(conf, table, "fresh", keep)) for table in facts["silver"]}
+        facts["fresh"] = {r["table"]: r["equal"] for r in reconcile.reconcile(conf, spark, against=fresh)}
+    with _phase(facts["seconds"], "dead_letter"):
+        facts["dead_letter"] = dead_letter_replay(conf, spark)
+    with _phase(facts["seconds"], "service"):
+        facts["service"] = continuous(conf, spark)
+    with _phase(facts["seconds"], "after_service"):
+        facts["after_service"] = {r["table"]: r["equal"] for r in reconcile.reconcile(with_added(conf), spark)}
+    with _phase(facts["seconds"], "one_run"):
+        facts["one_run"] = one_query_per_checkpoint(conf, spark)
+    with _phase(facts["seconds"], "drift"):
+        facts["drift"] = drift(conf, spark)
     return facts
+
+
+@contextlib.contextmanager
+def _phase(seconds: dict, name: str):
+    """The block's wall seconds into seconds[name], and a line on stderr."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds[name] = round(time.monotonic() - start, 1)
+        print(f"e2e       {name}: {seconds[name]} s", file=sys.stderr, flush=True)
 
 
 def one_query_per_checkpoint(conf: dict, spark) -> dict:
