@@ -32,7 +32,7 @@ import time
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaException, Producer, TopicPartition
 
-from lib import config, kafka_client, topics, waiting
+from lib import config, kafka_client, topics
 
 
 class ControlError(RuntimeError):
@@ -74,7 +74,7 @@ def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> Non
     value = None if record is None else json.dumps(record, sort_keys=True).encode()
     producer.produce(topic(conf), key=key.encode(), value=value,
                      on_delivery=lambda err, msg: failures.append(err) if err else None)
-    with waiting.on(f"Kafka at {config.get(conf, 'kafka.bootstrap_servers')} to acknowledge {key} in {topic(conf)}"):
+    with kafka_client.waiting_on(conf, f"acknowledge {key} in {topic(conf)}"):
         remaining = producer.flush(timeout)
     if remaining or failures:
         reason = failures[0] if failures else f"not acknowledged within {timeout:.0f} s"
@@ -84,7 +84,7 @@ def put(conf: dict, key: str, record: dict | None, timeout: float = 30.0) -> Non
 
 def read_all(conf: dict, timeout: float = 30.0) -> dict[str, dict]:
     """Every key's latest record (tombstoned keys left out), read from the start to the end."""
-    with waiting.on(f"Kafka at {config.get(conf, 'kafka.bootstrap_servers')} to give {topic(conf)}'s records"):
+    with kafka_client.waiting_on(conf, f"give {topic(conf)}'s records"):
         return _read_all(conf, timeout)
 
 
@@ -193,7 +193,7 @@ class Tail:
     """
 
     def __init__(self, conf: dict) -> None:
-        self.name, self.servers = topic(conf), config.get(conf, "kafka.bootstrap_servers")
+        self.name, self.conf = topic(conf), conf
         self.records: dict[str, dict] = {}
         self._bad: dict[str, str] = {}
         self._consumer = kafka_client.consumer(conf, "cdc-control-tail")
@@ -202,7 +202,7 @@ class Tail:
 
     def catch_up(self, timeout: float = 30.0) -> dict[str, dict]:
         """Read up to the topic's end as of now (blocks up to timeout); the records."""
-        with waiting.on(f"Kafka at {self.servers} to give {self.name}'s records up to its end"):
+        with kafka_client.waiting_on(self.conf, f"give {self.name}'s records up to its end"):
             return self._catch_up(timeout)
 
     def _catch_up(self, timeout: float) -> dict[str, dict]:

@@ -21,7 +21,7 @@ import time
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
-from lib import config, secrets
+from lib import config, secrets, waiting
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 LOGIN_MODULES = {
@@ -90,6 +90,11 @@ def settings(conf: dict, **extra) -> dict:
     if found["ca_file"]:
         result["ssl.ca.location"] = found["ca_file"]
     return {**result, **extra}
+
+
+def waiting_on(conf: dict, what: str):
+    """waiting.on("Kafka at <servers> to <what>"): marks a call that blocks until Kafka answers."""
+    return waiting.on(f"Kafka at {config.get(conf, 'kafka.bootstrap_servers')} to {what}")
 
 
 def admin(conf: dict, **extra) -> AdminClient:

@@ -116,17 +116,24 @@ def dead_letter_replay(conf: dict, spark) -> dict:
     path = lake_paths.dead_letter_path(conf)
     found = {"set_aside": [r["reason"] for r in spark.read.format("delta").load(path).collect()]}
     subject = f"cdc-e2e-replay-{tag}-value"
-    try:
-        found["registered_id"] = schema_registry.register(registry, subject, {**writer, "doc": f"replay {tag}"})[0]
-        found["late_id"] = late_id
-        found["replay"] = merge.replay_dead_letters(conf, spark)
-        found["left"] = spark.read.format("delta").load(path).count()
-    finally:
-        for name in (subject, f"cdc-e2e-probe-{tag}"):  # a subject left behind harms nothing: not a failure
-            with contextlib.suppress(SchemaRegistryError):
-                registry.delete_subject(name)
-                registry.delete_subject(name, permanent=True)
+    _SUBJECTS.extend([subject, f"cdc-e2e-probe-{tag}"])  # deleted at the end: bronze holds an event of late_id
+    found["registered_id"] = schema_registry.register(registry, subject, {**writer, "doc": f"replay {tag}"})[0]
+    found["late_id"] = late_id
+    found["replay"] = merge.replay_dead_letters(conf, spark)
+    found["left"] = spark.read.format("delta").load(path).count()
     return found
+
+
+_SUBJECTS: list[str] = []  # the registry subjects this run made beside the pipeline's
+
+
+def _forget_subjects(conf: dict) -> None:
+    """Delete _SUBJECTS (a subject left behind harms nothing: not a failure)."""
+    registry = schema_registry.client(conf)
+    for name in _SUBJECTS:
+        with contextlib.suppress(SchemaRegistryError):
+            registry.delete_subject(name)
+            registry.delete_subject(name, permanent=True)
 
 
 def _newest_event(conf: dict, table: str) -> tuple[bytes, bytes, str]:
@@ -241,6 +248,10 @@ def drift(conf: dict, spark) -> list[dict]:
     return [{"expected": code}] + reconcile.reconcile(conf, spark, tables=["bank.branches"])[0]["differences"]
 
 
+EXIT_BOUND_S = 90
+DONE = "e2e       done;"  # the line after the result and the teardown
+
+
 if __name__ == "__main__":
     name = sys.argv[1]
     # A hang anywhere (CI once saw this process outlive the test's 1200 s after printing its result): every thread's
@@ -251,5 +262,12 @@ if __name__ == "__main__":
         print("PIPELINE " + json.dumps(run(name), default=str), flush=True)
     finally:
         teardown.run(every_table, topics=True, confirm=True, log=lambda line: print(line, file=sys.stderr))
+        _forget_subjects(every_table)
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    print(f"e2e       done; threads Python waits for at exit: {left or 'none'}", file=sys.stderr, flush=True)
+    print(f"{DONE} threads Python waits for at exit: {left or 'none'}", file=sys.stderr, flush=True)
+    # What is left is pyspark's: at exit its Connect client joins its release threads (the ThreadPoolExecutor ones)
+    # and sends each session a cleanup call, every call retried for up to 10 minutes while the server answers
+    # "unavailable" (upstream since: SPARK-55406, SPARK-55326). Bounded: after EXIT_BOUND_S every thread's stack goes
+    # to stderr and the process exits 1; the test tells that apart from a failed run.
+    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(EXIT_BOUND_S, exit=True)

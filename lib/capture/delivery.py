@@ -9,7 +9,7 @@ import psycopg2
 import psycopg2.errors
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from lib import config, kafka_client, topics, waiting
+from lib import config, kafka_client, topics
 from lib.capture import events, slot_position
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.stream_state import DeliveryError, State, StreamError
@@ -84,8 +84,7 @@ def produce(st: State, plan: events.Plan, pairs: list) -> None:
 def _produce_when_room(st: State, plan: events.Plan, k: bytes, v) -> None:
     """Produce one message once the producer's queue has room, keeping the slot alive meanwhile; the wait is marked
     (lib/waiting.py) so that the service's metrics name it while it lasts."""
-    servers = config.get(st.conf, "kafka.bootstrap_servers")
-    with waiting.on(f"Kafka at {servers} to take more messages (the producer's queue is full)"):
+    with kafka_client.waiting_on(st.conf, "take more messages (the producer's queue is full)"):
         while True:
             st.producer.poll(0.05)
             advance(st)

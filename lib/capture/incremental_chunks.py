@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from lib import config, control, schema_registry, waiting
+from lib import control, kafka_client, schema_registry
 from lib.capture import avro_schemas, catalog, delivery, events, incremental
 from lib.capture.pgoutput import lsn_to_str
 from lib.capture.stream_state import DeliveryError, State, StreamError
@@ -133,8 +133,7 @@ def _emit_chunk(st: State, chunk: dict) -> None:
                                                       -1, "incremental"))
             pairs.append((key, value))
     delivery.produce(st, plan, pairs)
-    with waiting.on(f"Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')} to acknowledge a chunk of "
-                    f"{chunk['table']}'s incremental snapshot"):
+    with kafka_client.waiting_on(st.conf, f"acknowledge a chunk of {chunk['table']}'s incremental snapshot"):
         unacknowledged = st.producer.flush(delivery.FLUSH_TIMEOUT_S)
     if unacknowledged:
         raise DeliveryError(f"incremental snapshot of {chunk['table']}: Kafka did not acknowledge a chunk within "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 
-from lib import config, control, waiting
+from lib import config, control, kafka_client
 from lib.capture.pgoutput import lsn_to_str, str_to_lsn
 from lib.capture.stream_state import State, StreamError
 
@@ -138,8 +138,7 @@ def _recorded(st: State, lsn: int, err, msg) -> None:
 
 def record_now(st: State, timeout_s: float) -> None:
     """At the capture's stop: record the acknowledged position and wait for Kafka (bounded)."""
-    with waiting.on(f"Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')} to acknowledge the slot's "
-                    f"position record"):
+    with kafka_client.waiting_on(st.conf, "acknowledge the slot's position record"):
         _record_now(st, timeout_s)
 
 

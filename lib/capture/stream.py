@@ -19,7 +19,7 @@ import time
 import psycopg2
 import psycopg2.errors
 
-from lib import config, control, kafka_client, schema_registry, source, waiting
+from lib import config, control, kafka_client, schema_registry, source
 from lib.capture import (
     avro_schemas,
     catalog,
@@ -266,7 +266,7 @@ def _remove_stale_spools(slot: str, spool_dir: str | None) -> None:
 def _check_topics(st: State) -> None:
     """Every configured table's topic exists (auto topic creation is off)."""
     try:
-        with waiting.on(f"Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')} to list its topics"):
+        with kafka_client.waiting_on(st.conf, "list its topics"):
             existing = kafka_client.check(st.conf).topics
     except kafka_client.KafkaAccessError as exc:
         raise StreamError(str(exc)) from exc
@@ -280,8 +280,7 @@ def _close(st: State, failure: BaseException | None) -> BaseException | None:
     late = None
     if st.producer is not None:
         deadline = time.monotonic() + (0 if isinstance(failure, DeliveryError) else delivery.FLUSH_TIMEOUT_S)
-        with waiting.on(f"Kafka at {config.get(st.conf, 'kafka.bootstrap_servers')} to acknowledge what the "
-                        f"capture sent before it stops"):
+        with kafka_client.waiting_on(st.conf, "acknowledge what the capture sent before it stops"):
             while st.producer.flush(1.0) > 0 and time.monotonic() < deadline:
                 delivery.keepalive(st, quiet=True)
         if isinstance(failure, DeliveryError):  # Kafka stopped acknowledging: nothing more goes out of this producer
