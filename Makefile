@@ -94,12 +94,12 @@ test: sample lint  ## the suite against the running stack (notebooks under nbval
 	export CDC_PG_MAJORS=$(PG_MAJORS_TEST)
 	# three workers, a module (the notebooks: all five, in order) on one; then the tests that need the stack alone
 	status=0
-	$(PY) -m pytest -n 3 -m "not serial and not cluster" --durations=25 tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
-	$(PY) -m pytest -m "serial and not cluster" --durations=10 tests || status=$$?
+	$(PY) -m pytest -n 3 -m "not serial and not cluster" --durations=25 $(PYTEST_ARGS) tests $(if $(NOTEBOOKS),--nbval-lax --nbval-current-env --nbval-cell-timeout=900 $(NOTEBOOKS)) || status=$$?
+	$(PY) -m pytest -m "serial and not cluster" --durations=10 $(PYTEST_ARGS) tests || status=$$?
 	exit $$status
 
 test-cluster: sample  ## the tests on the local Spark cluster and through Spark Connect (CI runs them after make test)
-	$(PY) -m pytest -m cluster --durations=10 tests
+	$(PY) -m pytest -m cluster --durations=10 $(PYTEST_ARGS) tests
 
 coverage: sample lint  ## line coverage of lib/ over make test's and make test-cluster's suites, child processes included (slower; not CI)
 	$(PY) -m lib.local.stack versions up $(PG_MAJORS_TEST)
