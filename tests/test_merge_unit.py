@@ -516,6 +516,38 @@ def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(uni
     assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
 
 
+class _Forgetting(_Watching):
+    """The real registry client, except that it no longer serves one schema id (as after a deleted version)."""
+
+    def get_schema(self, schema_id, *args, **kwargs):
+        if schema_id == self.schema_id:
+            raise SchemaRegistryError(404, 40403, f"Schema {schema_id} not found")
+        return self.client.get_schema(schema_id, *args, **kwargs)
+
+    def get_versions(self, subject, *args, **kwargs):
+        return [number for number in self.client.get_versions(subject, *args, **kwargs)
+                if self.client.get_version(subject, number).schema_id != self.schema_id]
+
+
+def test_a_silver_step_stops_naming_table_and_id_when_pending_events_schema_is_no_longer_served(unit_conf,
+                                                                                                spark_session):
+    conf = config.apply_overrides(unit_conf, {"CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "1", "CDC__LAKE__ROOT": str(
+        Path(config.get(unit_conf, "lake.root")) / f"forgotten-{uuid.uuid4().hex[:6]}")})
+    items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
+    rows = Feed().rows(items.topic, [items.event("c", 331, 3300, name="pending")])
+    micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                              micro_batch.context(conf, query="gone", app_id=f"gone-{uuid.uuid4().hex[:6]}"))
+    prog = silver_step.progress(conf)
+    prog.schemas = writer_schemas.Schemas(conf, client=_Forgetting(schema_registry.client(conf), items.value_id))
+    with pytest.raises(lake_paths.MergeError, match=rf"table unit.items: .* schema id\(s\) {items.value_id}, "
+                       r"which the schema registry .* no longer serves .*Remedy: restore those schema versions"):
+        silver_step.run(conf, spark_session, prog)
+    assert not delta_io.is_table(spark_session, lake_paths.silver_path(conf, lake_paths.table_specs(conf)[0])) or \
+        331 not in _rows(spark_session, conf, "items")  # nothing applied
+    silver_step.run(conf, spark_session)  # the registry serves it again: silver resumes and applies the event
+    assert _rows(spark_session, conf, "items")[331]["name"] == "pending"
+
+
 def test_dead_letters_whose_schema_arrived_are_replayed_into_silver(unit_conf, own_registry, spark_session):
     conf = config.apply_overrides(unit_conf, {**own_registry, "CDC__LAKE__ROOT": str(
         Path(config.get(unit_conf, "lake.root")) / f"replay-{uuid.uuid4().hex[:6]}")})

@@ -22,7 +22,7 @@ from pyspark.sql import functions as F
 
 from lib import config
 from lib.lake import bronze_log, delta_io, lake_paths, micro_batch, silver_table, writer_schemas
-from lib.lake.lake_paths import quote
+from lib.lake.lake_paths import MergeError, quote
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,7 @@ def _step_table(spark: SparkSession, prog: Progress, spec, seq: int, pending, co
     # merge runs) makes the layout ask the registry again, so silver gets the new column
     layout = writer_schemas.table_layout(spark, prog.schemas, spec, counted["value_ids"] if counted else set(),
                                          counted["key_ids"] if counted else set())
+    _refuse_unserved(prog, spec, layout, counted)
     events = bronze_log.events(spark, path, spec.qualified, done, seq, layout.key, layout.row, log=pending)
     # per partition, the log holds the topic's offsets in order: silver now holds every offset up to the last one
     offsets = dict(prog.offsets.get(spec.qualified, {}))
@@ -214,6 +215,23 @@ def _step_table(spark: SparkSession, prog: Progress, spec, seq: int, pending, co
     if cut is not None:
         prog.truncates[spec.qualified] = cut
     return {"events": n, "seconds": round(time.monotonic() - started, 2)}
+
+
+def _refuse_unserved(prog: Progress, spec, layout, counted: dict | None) -> None:
+    """Stop when pending log events were written with a schema id the registry no longer serves.
+
+    Their columns are known only from that schema: silver would lose a column only that version had, silently.
+    """
+    if not counted:
+        return
+    ids = sorted((counted["value_ids"] - set(layout.value_ids)) | (counted["key_ids"] - set(layout.key_ids)))
+    if ids:
+        raise MergeError(
+            f"table {spec.qualified}: the bronze log holds events not yet in silver that were written with schema "
+            f"id(s) {', '.join(map(str, ids))}, which the schema registry {prog.schemas.url} no longer serves (asked "
+            f"for {prog.schemas.wait_s:.0f} s). The silver step stops rather than guess their columns; nothing is "
+            f"applied or lost. Remedy: restore those schema versions in the registry (undelete the subject's versions "
+            f"or restore its storage), then start the merge again: silver resumes from where it stopped")
 
 
 def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> None:
