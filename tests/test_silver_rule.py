@@ -69,3 +69,39 @@ def test_merges_into_a_table_with_silvers_properties_are_compacted_as_small_file
     assert "OPTIMIZE" in operations and operations.count("MERGE") == 12, operations
     assert delta_io.detail(spark_session, path)["numFiles"] < 12
     assert spark_session.read.format("delta").load(path).count() == 96
+
+
+def test_an_empty_table_gets_the_insert_clause_as_a_plain_append_with_the_same_rows(spark_session, tmp_path):
+    batch = [(1, "uno", "event", "c", 20, 0, T1, []), (2, None, "event", "d", 20, 1, T1, []),
+             (3, None, "tombstone", None, None, None, T1, None), (4, "four", "event", "u", 20, 2, T1, ["name"])]
+    spark_session.createDataFrame(batch, BATCH).createOrReplaceTempView("batch")
+    rows = {}
+    for how in ("merge", "insert"):
+        path = str(tmp_path / how)
+        delta_io.ensure_table(spark_session, path, SILVER)
+        make = silver_table.merge_sql if how == "merge" else silver_table.insert_sql
+        spark_session.sql(make(f"delta.`{path}`", "batch", ["id"], ["name"], **({"filled": False} if how == "merge"
+                                                                                 else {})))
+        rows[how] = sorted(tuple(r) for r in spark_session.read.format("delta").load(path).collect())
+    assert rows["insert"] == rows["merge"] and [r[0] for r in rows["insert"]] == [1, 2, 4]
+    assert rows["insert"][1][5] is True and rows["insert"][2][8] == ["name"]  # the delete, the unchanged column
+
+
+def test_a_young_tables_detail_is_read_from_its_commits_as_describe_detail_says(spark_session, tmp_path):
+    path = str(tmp_path / "young")
+
+    def described():
+        row = spark_session.sql(f"DESCRIBE DETAIL delta.`{path}`").collect()[0]
+        return {"numFiles": row["numFiles"], "properties": dict(row["properties"])}
+
+    delta_io.ensure_table(spark_session, path, SILVER, properties={"cdc.key": "id"})
+    seen = [delta_io.detail(spark_session, path) == described()]
+    spark_session.createDataFrame([(i, "x", 10, i, "c", False, None, T0, None) for i in range(6)], SILVER) \
+        .repartition(3).write.format("delta").mode("append").save(path)
+    spark_session.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('cdc.topic' = 'cdc.t')")
+    spark_session.sql(f"DELETE FROM delta.`{path}` WHERE id < 4")  # removes files, adds one
+    seen.append(delta_io.detail(spark_session, path) == described())
+    assert seen == [True, True] and described()["properties"]["cdc.topic"] == "cdc.t"
+    assert delta_io._replayed(str(tmp_path / "young" / "_delta_log")) is not None  # read without Spark
+    (tmp_path / "young" / "_delta_log" / "_last_checkpoint").write_text('{"version": 3, "size": 1}')
+    assert delta_io._replayed(str(tmp_path / "young" / "_delta_log")) is None  # a checkpoint: DESCRIBE DETAIL

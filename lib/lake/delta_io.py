@@ -48,12 +48,16 @@ def literal(text: str) -> str:
 
 
 def properties(spark: SparkSession, path: str) -> dict[str, str]:
-    """The table's properties (DESCRIBE DETAIL)."""
-    return dict(spark.sql(f"DESCRIBE DETAIL delta.{quote(path)}").collect()[0]["properties"] or {})
+    """The table's properties (detail)."""
+    return detail(spark, path)["properties"]
 
 
 def detail(spark: SparkSession, path: str) -> dict:
-    """The table's data files (numFiles) and properties, in one DESCRIBE DETAIL."""
+    """The table's data files (numFiles) and properties: from its commit files while its log here has no checkpoint
+    yet (a young table, e.g. silver's first steps: no Spark job), else in one DESCRIBE DETAIL."""
+    young = _replayed(_local_log(path))
+    if young is not None:
+        return young
     row = spark.sql(f"DESCRIBE DETAIL delta.{quote(path)}").select("numFiles", "properties").collect()[0]
     return {"numFiles": int(row["numFiles"] or 0), "properties": dict(row["properties"] or {})}
 
@@ -137,6 +141,28 @@ def _newest_version(folder: str) -> int:
     while os.path.exists(os.path.join(folder, f"{version + 1:020d}.json")):
         version += 1
     return version
+
+
+def _replayed(folder: str) -> dict | None:
+    """numFiles and properties of a local log that has only commit files (none cleaned up, no checkpoint), from
+    replaying them in order; None for any other log (DESCRIBE DETAIL reads it)."""
+    if not folder or not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "_last_checkpoint")):
+        return None
+    versions = sorted(int(name[:20]) for name in os.listdir(folder) if COMMIT_FILE.fullmatch(name))
+    if not versions or versions != list(range(len(versions))):
+        return None
+    files: set[str] = set()
+    properties: dict[str, str] = {}
+    for version in versions:
+        with open(os.path.join(folder, f"{version:020d}.json")) as handle:
+            for action in map(json.loads, filter(str.strip, handle)):
+                if "add" in action:
+                    files.add(action["add"]["path"])
+                elif "remove" in action:
+                    files.discard(action["remove"]["path"])
+                elif "metaData" in action:
+                    properties = dict(action["metaData"].get("configuration") or {})
+    return {"numFiles": len(files), "properties": properties}
 
 
 def newest_metadata(spark: SparkSession | None, path: str, key: str, limit: int = 100) -> dict | None:

@@ -213,6 +213,16 @@ def merge_sql(target: str, source: str, keys: list[str], payload: list[str], fil
     return "\n".join(lines)
 
 
+def insert_sql(target: str, source: str, keys: list[str], payload: list[str], seq: int | None = None) -> str:
+    """What the MERGE does to an empty silver table, as a plain append: its insert clause alone (source s holds one
+    row per key, so nothing to match)."""
+    _, clauses = merge_rule(keys, payload, filled=False, seq=seq)
+    (insert,) = clauses
+    values = ",\n  ".join(f"{value} AS {column}" for column, value in insert.assignments.items())
+    return (f"INSERT INTO {target} ({', '.join(insert.assignments)})\nSELECT\n  {values}\nFROM {source} AS s\n"
+            f"WHERE {insert.condition}")
+
+
 def key_columns(conf: dict, spark: SparkSession, spec: TableSpec) -> list[str]:
     """A silver table's key columns: its cdc.key property, else the topic's newest key schema in the registry."""
     from lib import schema_registry
@@ -266,8 +276,10 @@ def merge_silver(spark: SparkSession, path: str, spec: TableSpec, layout: Layout
             spark.sql(f"ALTER TABLE delta.{quote(path)} SET TBLPROPERTIES ({options})")
     # a global view: the source may belong to another session than the MERGE (silver_step's side-by-side MERGEs)
     view = "cdc_silver_pending_" + re.sub(r"[^A-Za-z0-9_]", "_", spec.qualified)
-    statement = merge_sql(f"delta.{quote(path)}", f"global_temp.{view}", keys, payload, known["filled"], truncate,
-                          seq)
+    target, pending = f"delta.{quote(path)}", f"global_temp.{view}"
+    # an empty table (the first step, typically the snapshot): a plain append is the MERGE's insert clause, 2-3x faster
+    statement = merge_sql(target, pending, keys, payload, True, truncate, seq) if known["filled"] \
+        else insert_sql(target, pending, keys, payload, seq)
     source.createOrReplaceGlobalTempView(view)
     spark.conf.set(USER_METADATA, json.dumps(applied_record(spec, seq, offsets)))
     try:
