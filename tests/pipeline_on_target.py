@@ -172,12 +172,15 @@ def run(target: str) -> dict:
     with _phase(facts["seconds"], "load_and_capture"):
         facts["load"] = write_load(conf, uuid.uuid4().hex[:6])
         facts["stream"] = stream.run(conf, until="caught_up", heartbeat_s=0).get("events")
-    with _phase(facts["seconds"], "merge"):
+    with _phase(facts["seconds"], "session"):
         spark = spark_lib.from_conf(conf)
         facts["remote"] = spark_lib.is_remote(spark)
         facts["master"] = spark.conf.get("spark.master")
+    with _phase(facts["seconds"], "merge"):
         caught = merge.run_until_caught_up(conf, spark)
-        facts["merge"] = {"batches": caught["batches"], "silver_tables": caught["silver_tables"]}
+        facts["merge"] = {"batches": caught["batches"], "silver_tables": caught["silver_tables"],
+                          "batch_seconds": caught["batch_seconds"], "silver_s": caught["silver_s"]}
+        print(f"e2e       merge: {facts['merge']}", file=sys.stderr, flush=True)
     with _phase(facts["seconds"], "reconcile"):
         facts["silver"] = {r["table"]: [r["equal"], r["source_rows"]] for r in reconcile.reconcile(conf, spark)}
     with _phase(facts["seconds"], "views"):

@@ -59,16 +59,16 @@ def test_merges_into_a_table_with_silvers_properties_are_compacted_as_small_file
     statement = silver_table.merge_sql(f"delta.`{path}`", "batch", ["id"], ["name"])
     spark_session.conf.set("spark.databricks.delta.autoCompact.minNumFiles", "6")  # Delta's default: 50
     try:
-        for n in range(12):  # each MERGE inserts rows in up to four new files (four shuffle partitions)
+        for n in range(5):  # each MERGE inserts rows in up to four new files (four shuffle partitions)
             spark_session.createDataFrame([(n * 10 + i, f"v{n}", "event", "c", 10 + n, i, T1, []) for i in range(8)],
                                           BATCH).createOrReplaceTempView("batch")
             spark_session.sql(statement)
     finally:
         spark_session.conf.unset("spark.databricks.delta.autoCompact.minNumFiles")
     operations = [r["operation"] for r in spark_session.sql(f"DESCRIBE HISTORY delta.`{path}`").collect()]
-    assert "OPTIMIZE" in operations and operations.count("MERGE") == 12, operations
-    assert delta_io.detail(spark_session, path)["numFiles"] < 12
-    assert spark_session.read.format("delta").load(path).count() == 96
+    assert "OPTIMIZE" in operations and operations.count("MERGE") == 5, operations
+    assert delta_io.detail(spark_session, path)["numFiles"] < 6
+    assert spark_session.read.format("delta").load(path).count() == 40
 
 
 def test_an_empty_table_gets_the_insert_clause_as_a_plain_append_with_the_same_rows(spark_session, tmp_path):
