@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import psycopg2
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -36,6 +37,10 @@ from lib import spark as spark_session
 from lib.capture import avro_schemas, catalog, pgtypes, snapshot_read, snapshot_write
 from lib.lake import delta_io, lake_paths
 from lib.lake.lake_paths import META_COLUMNS, MergeError, quote
+
+# the counting job's tasks each read this many of the source's partitions (and silver's files beside them), at least
+# one task per core: every task sends the driver its result and the metrics of every table's plan (docs/benchmarks.md)
+PARTITIONS_PER_TASK = 8
 
 
 def canonical_type(dtype: T.DataType) -> T.DataType:
@@ -73,8 +78,9 @@ def source_types(spark: SparkSession, table: catalog.Table, conf: dict) -> T.Str
 
 
 def _source_frame(conf: dict, spark: SparkSession, conn, table: catalog.Table, snapshot: str,
-                  types: T.StructType, login: dict | None) -> DataFrame:
-    """The source table's rows as of the exported snapshot, read by the executors, in canonical form."""
+                  types: T.StructType, login: dict | None) -> tuple[DataFrame, int]:
+    """The source table's rows as of the exported snapshot, read by the executors, in canonical form; and the
+    number of partitions the read is split into."""
     unknown_types = config.get(conf, "source.unknown_types")
     copy = config.get(conf, "snapshot.reader") == "copy" and login is None  # the snapshot's reader, as conf says
     plan = snapshot_read.plan_partitions(conn, table, int(config.get(conf, "snapshot.partition_rows")),
@@ -87,7 +93,7 @@ def _source_frame(conf: dict, spark: SparkSession, conn, table: catalog.Table, s
     after = F.struct(*[F.col(quote(f["field"])) for f in fields])
     decoded = rows.select(from_avro(to_avro(after, wire), json.dumps(record)).alias("r"))
     return decoded.select(*[canonical(F.col("r")[f.name], f.dataType).cast(canonical_type(f.dataType)).alias(f.name)
-                            for f in types.fields])
+                            for f in types.fields]), int(plan["partitions"])
 
 
 def _login(conf: dict, conn) -> dict:
@@ -138,14 +144,15 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
         sql_names = {s.qualified: catalog.sql_name(s.schema, s.name) for s in specs}
         declared = {sql_names[q]: key for q, key in declared_keys(conf, specs).items()}
         described = catalog.describe_tables(conn, list(sql_names.values()), declared)
-        pairs = []
+        pairs, read_parts = [], 0
         for spec in specs:
             table = described[sql_names[spec.qualified]]
             names = avro_schemas.field_names(table.columns)
             types = source_types(spark, table, conf)
             keys = [names[k] for k in table.primary_key]
             try:
-                src = _source_frame(conf, spark, conn, table, snapshot, types, login)
+                src, parts = _source_frame(conf, spark, conn, table, snapshot, types, login)
+                read_parts += parts
             except psycopg2.errors.InsufficientPrivilege as exc:
                 raise MergeError(f"reconcile {table.qualified}: {str(exc).strip().splitlines()[0]}; GRANT SELECT ON "
                                  f"{table.qualified} TO {login['user'] if login else config.get(conf, 'source.user')}"
@@ -171,7 +178,8 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
                 "columns_compared": [f.name for f in types.fields],
                 "columns_only_in_silver": [f.name for f in have.values() if f.name.lower() not in wanted
                                            and f.name not in META_COLUMNS]}))
-        counted = totals([(name, src, silver) for name, src, silver, _, _ in pairs])
+        tasks = max(spark_session.cores(spark) or 2, math.ceil(read_parts / PARTITIONS_PER_TASK))
+        counted = totals([(name, src, silver) for name, src, silver, _, _ in pairs], tasks)
         for name, src, silver, keys, columns in pairs:
             results.append({"table": name, **compare(src, silver, keys, sample, counted.get(name, {})), **columns})
     finally:
@@ -183,16 +191,19 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
     return results
 
 
-def totals(pairs: list[tuple[str, DataFrame, DataFrame]]) -> dict[str, dict[str, tuple[int, object]]]:
+def totals(pairs: list[tuple[str, DataFrame, DataFrame]], tasks: int | None = None
+           ) -> dict[str, dict[str, tuple[int, object]]]:
     """Row count and checksum of each side of every (table, source, silver) pair, in one Spark job for all of them
-    (a job per table costs the driver a task binary per stage): {table: {"source"|"silver": (rows, checksum)}}."""
+    (a job per table costs the driver a task binary per stage), read by at most ``tasks`` tasks (each task's
+    result carries the metrics of every table's plan): {table: {"source"|"silver": (rows, checksum)}}."""
     if not pairs:
         return {}
     parts = [frame.select(F.lit(name).alias("__t"), F.lit(side).alias("__side"),
                           F.xxhash64(*[quote(c) for c in src.columns]).alias("__h"))
              for name, src, silver in pairs for side, frame in (("source", src), ("silver", silver))]
     found: dict[str, dict] = {}
-    for r in functools.reduce(DataFrame.unionByName, parts).groupBy("__t", "__side").agg(
+    union = functools.reduce(DataFrame.unionByName, parts)
+    for r in (union.coalesce(tasks) if tasks else union).groupBy("__t", "__side").agg(
             F.count(F.lit(1)).alias("n"), F.sum(F.col("__h").cast("decimal(38,0)")).alias("checksum")).collect():
         found.setdefault(r["__t"], {})[r["__side"]] = (r["n"], r["checksum"])
     return found
