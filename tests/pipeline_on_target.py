@@ -180,7 +180,7 @@ def run(target: str) -> dict:
         caught = merge.run_until_caught_up(conf, spark)
         facts["merge"] = {"batches": caught["batches"], "silver_tables": caught["silver_tables"],
                           "batch_seconds": caught["batch_seconds"], "silver_s": caught["silver_s"]}
-        print(f"e2e       merge: {facts['merge']}", file=sys.stderr, flush=True)
+        print(f"e2e       merge result: {facts['merge']}", file=sys.stderr, flush=True)
     with _phase(facts["seconds"], "reconcile"):
         facts["silver"] = {r["table"]: [r["equal"], r["source_rows"]] for r in reconcile.reconcile(conf, spark)}
     with _phase(facts["seconds"], "views"):
