@@ -11,8 +11,11 @@ wrote meanwhile (``/proc/<pid>/io`` rchar and wchar: sockets and files alike, so
 the TCP connections it holds open at the end, from ``ss``, which misses a connection opened and closed between; and
 what those connections carry while the driver idles as long as the first run took) — the
 notebook's Python, and the Spark driver's JVM when it is not also the executor (CDC_TARGET cluster; in local mode
-the executors run inside the driver's JVM, so only the Python figure says what crossed into the driver). Everything
-it made is removed at the end.
+the executors run inside the driver's JVM, so only the Python figure says what crossed into the driver). The JVM's
+figure is also split: its py4j connections (the notebook's Python driving its own JVM) apart from the rest (executors,
+the master, PostgreSQL). ``RECONCILE_BENCH_BROADCASTS=1`` also lists the broadcast pieces the driver stored during
+the measured run (each job's compressed task binary; Spark's log at INFO); ``RECONCILE_BENCH_SPARK_CONF=key=value,...``
+sets session settings in each child before it reconciles. Everything it made is removed at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,6 +60,19 @@ def socket_bytes(pid: int) -> dict[str, int]:
     return found
 
 
+def py4j_share(before: dict[str, int], after: dict[str, int], port: int) -> int:
+    """Of socket_delta, the bytes on the JVM's py4j connections (its local port is the gateway's): the notebook's
+    Python calling its own JVM, counted on both ends."""
+    return sum(n - before.get(key, 0) for key, n in after.items() if key.split()[0].endswith(f":{port}"))
+
+
+def broadcast_kib(log: str) -> list[float]:
+    """The sizes of the broadcast pieces the driver stored (Spark's MemoryStore at INFO): each job's task binary,
+    compressed, which every executor that runs one of its tasks fetches from the driver."""
+    return [float(m.group(1)) for m in re.finditer(r"broadcast_\d+_piece0 stored as bytes in memory \(estimated size "
+                                                   r"([0-9.]+) KiB", log)]
+
+
 def socket_delta(before: dict[str, int], after: dict[str, int]) -> int:
     """Bytes moved on connections open at the end (a connection opened and closed in between is not counted)."""
     return sum(n - before.get(key, 0) for key, n in after.items())
@@ -65,6 +82,8 @@ def measure(overrides: dict) -> dict:
     """One reconcile of every table with the conf the benchmark prepared: seconds, equal, driver bytes."""
     conf = config.apply_overrides(config.load(None), overrides)
     spark = spark_lib.from_conf(conf, catalog="in-memory")
+    for pair in filter(None, os.environ.get("RECONCILE_BENCH_SPARK_CONF", "").split(",")):
+        spark.conf.set(*pair.split("=", 1))  # a session setting to try, as key=value[,key=value]
     try:
         jvm = None if spark_lib.is_remote(spark) or str(spark.conf.get("spark.master")).startswith("local") else \
             int(spark._jvm.java.lang.ProcessHandle.current().pid())
@@ -74,6 +93,8 @@ def measure(overrides: dict) -> dict:
         idle = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
         time.sleep(first)  # as long as a run, doing nothing: what the driver's connections carry anyway
         idle = {pid: socket_delta(before, socket_bytes(pid)) for pid, before in idle.items()}
+        if jvm and os.environ.get("RECONCILE_BENCH_BROADCASTS"):
+            spark.sparkContext.setLogLevel("INFO")  # the measured run's broadcasts on stderr, for broadcast_kib
         python_before, jvm_before = io_bytes(os.getpid()), io_bytes(jvm) if jvm else None
         sockets_before = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
         began = time.monotonic()
@@ -87,7 +108,10 @@ def measure(overrides: dict) -> dict:
                "idle_s": round(first, 1), "python_idle_mb": round(idle[os.getpid()] / 1e6, 3)}
         if jvm:
             out["jvm_mb"] = round((io_bytes(jvm) - jvm_before) / 1e6, 2)
-            out["jvm_socket_mb"] = round(socket_delta(sockets_before[jvm], socket_bytes(jvm)) / 1e6, 3)
+            after = socket_bytes(jvm)
+            out["jvm_socket_mb"] = round(socket_delta(sockets_before[jvm], after) / 1e6, 3)
+            out["jvm_py4j_mb"] = round(py4j_share(sockets_before[jvm], after,
+                                                  spark.sparkContext._gateway.gateway_parameters.port) / 1e6, 3)
             out["jvm_idle_mb"] = round(idle[jvm] / 1e6, 3)
         return out
     finally:
@@ -122,6 +146,9 @@ def main(argv=None) -> None:
             if done.returncode:
                 raise SystemExit(f"reconcile with {code} failed:\n{done.stderr[-4000:]}")
             rows.append({"code": code, **json.loads(done.stdout.strip().splitlines()[-1])})
+            if os.environ.get("RECONCILE_BENCH_BROADCASTS"):
+                pieces = broadcast_kib(done.stderr)
+                rows[-1]["broadcasts_kib"] = [round(k, 1) for k in pieces]
             print(rows[-1], flush=True)
     finally:
         bench_env.finish(conf, folder, spark, log=print)
@@ -131,7 +158,8 @@ def main(argv=None) -> None:
           "connections; idle as long) | driver JVM: read + written (on its open connections; idle as long) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        jvm = f"{r['jvm_mb']} MB ({r['jvm_socket_mb']} MB; {r.get('jvm_idle_mb')} MB)" if "jvm_mb" in r else \
+        jvm = f"{r['jvm_mb']} MB ({r['jvm_socket_mb']} MB, of it py4j {r['jvm_py4j_mb']} MB; " \
+              f"{r.get('jvm_idle_mb')} MB)" if "jvm_mb" in r else \
             "(executors in the same JVM)"
         print(f"| {r['code']} | {r['tables']} | {r['rows']:,} | {r['equal']} | {r['seconds']} ({r['first_seconds']}) | "
               f"{r['python_mb']} MB ({r['python_socket_mb']} MB; {r.get('python_idle_mb')} MB) | {jvm} |")

@@ -27,7 +27,7 @@ import json
 import math
 
 import psycopg2
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro, to_avro
@@ -43,30 +43,34 @@ from lib.lake.lake_paths import META_COLUMNS, MergeError, quote
 PARTITIONS_PER_TASK = 8
 
 
-def canonical_type(dtype: T.DataType) -> T.DataType:
-    """The comparison type of a column: dates -> int days, timestamps -> long microseconds, arrays element-wise."""
-    if isinstance(dtype, T.DateType):
-        return T.IntegerType()
-    if isinstance(dtype, (T.TimestampType, T.TimestampNTZType)):
-        return T.LongType()
+def type_sql(dtype: T.DataType) -> str:
+    """dtype as a CAST in Spark SQL names it (struct fields in backticks)."""
     if isinstance(dtype, T.ArrayType):
-        return T.ArrayType(canonical_type(dtype.elementType))
-    return dtype
+        return f"array<{type_sql(dtype.elementType)}>"
+    if isinstance(dtype, T.MapType):
+        return f"map<{type_sql(dtype.keyType)},{type_sql(dtype.valueType)}>"
+    if isinstance(dtype, T.StructType):
+        return "struct<" + ",".join(f"{quote(f.name)}:{type_sql(f.dataType)}" for f in dtype.fields) + ">"
+    return dtype.simpleString()
 
 
-def canonical(c: Column, dtype: T.DataType) -> Column:
-    """A Spark column of type dtype in its canonical form (no time zone involved)."""
+def canonical(expr: str, dtype: T.DataType, depth: int = 0) -> str:
+    """Spark SQL of expr (of type dtype) in its canonical form, dates as int days, timestamps as long
+    microseconds (arrays element-wise); no time zone involved.
+
+    SQL text rather than Column objects: one call per frame builds a table's projection (a Column is a call to the
+    driver's JVM each, from the notebook's Python)."""
     if isinstance(dtype, T.DateType):
-        return F.unix_date(c)
+        return f"unix_date({expr})"
     if isinstance(dtype, T.TimestampType):
-        return F.unix_micros(c)
-    if isinstance(dtype, T.TimestampNTZType):
-        seconds = F.extract(F.lit("SECOND"), c)  # decimal(8,6): seconds with their fraction
-        return (F.unix_date(F.to_date(c)).cast("long") * 86_400_000_000 + F.hour(c).cast("long") * 3_600_000_000
-                + F.minute(c).cast("long") * 60_000_000 + (seconds * 1_000_000).cast("long"))
+        return f"unix_micros({expr})"
+    if isinstance(dtype, T.TimestampNTZType):  # extract(SECOND ...) is decimal(8,6): seconds with their fraction
+        return (f"CAST(unix_date(to_date({expr})) AS BIGINT) * 86400000000 + CAST(hour({expr}) AS BIGINT) * 3600000000"
+                f" + CAST(minute({expr}) AS BIGINT) * 60000000 + CAST(extract(SECOND FROM {expr}) * 1000000 AS BIGINT)")
     if isinstance(dtype, T.ArrayType):
-        return F.transform(c, lambda x: canonical(x, dtype.elementType))
-    return c
+        element = f"x{depth}"
+        return f"transform({expr}, {element} -> {canonical(element, dtype.elementType, depth + 1)})"
+    return expr
 
 
 def source_types(spark: SparkSession, table: catalog.Table, conf: dict) -> T.StructType:
@@ -92,8 +96,8 @@ def _source_frame(conf: dict, spark: SparkSession, conn, table: catalog.Table, s
     wire = schema_registry.canonical_json(snapshot_write.wire_record(record, fields))
     after = F.struct(*[F.col(quote(f["field"])) for f in fields])
     decoded = rows.select(from_avro(to_avro(after, wire), json.dumps(record)).alias("r"))
-    return decoded.select(*[canonical(F.col("r")[f.name], f.dataType).cast(canonical_type(f.dataType)).alias(f.name)
-                            for f in types.fields]), int(plan["partitions"])
+    return decoded.selectExpr(*[f"{canonical('r.' + quote(f.name), f.dataType)} AS {quote(f.name)}"
+                                for f in types.fields]), int(plan["partitions"])
 
 
 def _login(conf: dict, conn) -> dict:
@@ -169,19 +173,20 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
             cols = []
             for f in types.fields:
                 found = have.get(f.name.lower())
-                value = F.lit(None).cast(f.dataType) if found is None else \
-                    F.col(quote(found.name)) if found.dataType == f.dataType else \
-                    F.col(quote(found.name)).cast(f.dataType)
-                cols.append(canonical(value, f.dataType).cast(canonical_type(f.dataType)).alias(f.name))
+                value = f"CAST(NULL AS {type_sql(f.dataType)})" if found is None else quote(found.name) \
+                    if found.dataType == f.dataType else f"CAST({quote(found.name)} AS {type_sql(f.dataType)})"
+                cols.append(f"{canonical(value, f.dataType)} AS {quote(f.name)}")
             wanted = {f.name.lower() for f in types.fields}
-            pairs.append((spec.qualified, src, silver.select(*cols), keys, {
+            pairs.append((spec.qualified, src, silver.selectExpr(*cols), keys, {
                 "columns_compared": [f.name for f in types.fields],
                 "columns_only_in_silver": [f.name for f in have.values() if f.name.lower() not in wanted
                                            and f.name not in META_COLUMNS]}))
         tasks = max(spark_session.cores(spark) or 2, math.ceil(read_parts / PARTITIONS_PER_TASK))
-        counted = totals([(name, src, silver) for name, src, silver, _, _ in pairs], tasks)
+        counted = totals([(name, src, silver, columns["columns_compared"]) for name, src, silver, _, columns in pairs],
+                         tasks)
         for name, src, silver, keys, columns in pairs:
-            results.append({"table": name, **compare(src, silver, keys, sample, counted.get(name, {})), **columns})
+            results.append({"table": name, **compare(src, silver, keys, sample, counted.get(name, {}),
+                                                     columns["columns_compared"]), **columns})
     finally:
         if own:
             conn.close()
@@ -191,16 +196,16 @@ def reconcile(conf: dict, spark: SparkSession, tables: list[str] | None = None, 
     return results
 
 
-def totals(pairs: list[tuple[str, DataFrame, DataFrame]], tasks: int | None = None
+def totals(pairs: list[tuple[str, DataFrame, DataFrame, list[str]]], tasks: int | None = None
            ) -> dict[str, dict[str, tuple[int, object]]]:
-    """Row count and checksum of each side of every (table, source, silver) pair, in one Spark job for all of them
-    (a job per table costs the driver a task binary per stage), read by at most ``tasks`` tasks (each task's
+    """Row count and checksum of each side of every (table, source, silver, columns) pair, in one Spark job for all of
+    them (a job per table costs the driver a task binary per stage), read by at most ``tasks`` tasks (each task's
     result carries the metrics of every table's plan): {table: {"source"|"silver": (rows, checksum)}}."""
     if not pairs:
         return {}
-    parts = [frame.select(F.lit(name).alias("__t"), F.lit(side).alias("__side"),
-                          F.xxhash64(*[quote(c) for c in src.columns]).alias("__h"))
-             for name, src, silver in pairs for side, frame in (("source", src), ("silver", silver))]
+    parts = [frame.selectExpr(f"{_literal(name)} AS __t", f"'{side}' AS __side",
+                              f"xxhash64({', '.join(quote(c) for c in columns)}) AS __h")
+             for name, src, silver, columns in pairs for side, frame in (("source", src), ("silver", silver))]
     found: dict[str, dict] = {}
     union = functools.reduce(DataFrame.unionByName, parts)
     for r in (union.coalesce(tasks) if tasks else union).groupBy("__t", "__side").agg(
@@ -209,21 +214,25 @@ def totals(pairs: list[tuple[str, DataFrame, DataFrame]], tasks: int | None = No
     return found
 
 
+def _literal(text: str) -> str:
+    """A Spark SQL string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def compare(src: DataFrame, silver: DataFrame, keys: list[str], sample: int = 10,
-            counted: dict[str, tuple] | None = None) -> dict:
+            counted: dict[str, tuple] | None = None, columns: list[str] | None = None) -> dict:
     """Counts and checksums of two frames with the same columns (``counted``: totals() found them already); a sample
     of differing keys when they differ."""
-    columns = [quote(c) for c in src.columns]
-    hashed_src = src.select(*[F.col(quote(k)) for k in keys], F.xxhash64(*columns).alias("__h"))
-    hashed_silver = silver.select(*[F.col(quote(k)) for k in keys], F.xxhash64(*columns).alias("__h"))
+    columns = columns or src.columns
     if counted is None:
-        counted = totals([("t", src, silver)]).get("t", {})
+        counted = totals([("t", src, silver, columns)]).get("t", {})
     (src_n, src_sum), (silver_n, silver_sum) = counted.get("source", (0, None)), counted.get("silver", (0, None))
     equal = src_n == silver_n and (src_n == 0 or src_sum == silver_sum)
     differences = []
     if not equal:
-        joined = hashed_src.withColumnRenamed("__h", "__hs").join(
-            hashed_silver.withColumnRenamed("__h", "__ht"), keys, "full_outer")
+        hashed = f"xxhash64({', '.join(quote(c) for c in columns)})"
+        joined = src.selectExpr(*[quote(k) for k in keys], f"{hashed} AS __hs").join(
+            silver.selectExpr(*[quote(k) for k in keys], f"{hashed} AS __ht"), keys, "full_outer")
         kind = F.when(F.col("__ht").isNull(), "missing_in_silver").when(F.col("__hs").isNull(), "extra_in_silver") \
             .otherwise("different")
         rows = joined.filter(F.col("__hs").isNull() | F.col("__ht").isNull() | (F.col("__hs") != F.col("__ht"))) \
