@@ -168,7 +168,9 @@ DEFAULTS: dict[str, object] = {
     "spark.local_metastore": False,  # true: Hive metastore and warehouse under lake.root (lib/spark.py)
     "spark.log_levels": {},  # logger -> level for the local driver (lib/spark.py); WARN for the rest
     "spark.class_archive_dir": None,  # the local driver's class-data archives (lib/spark.py class_archive)
-    "spark.driver_java_options": "",  # more Java options for the local driver (the tests ask for C1 only)
+    "spark.driver_java_options": "",  # more Java options for the local driver and the stack's Connect server (the
+    # tests ask for C1 only)
+    "spark.executor_java_options": "",  # more Java options for a standalone cluster's executors (likewise)
 }
 
 

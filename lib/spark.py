@@ -23,6 +23,7 @@ from lib import config
 CATALOG_KEY = "spark.sql.catalogImplementation"
 METASTORE_URL_KEY = "spark.hadoop.javax.jdo.option.ConnectionURL"
 JAVA_OPTIONS_KEY = "spark.driver.extraJavaOptions"
+EXECUTOR_OPTIONS_KEY = "spark.executor.extraJavaOptions"
 DERBY_HOME_RE = re.compile(r"-Dderby\.system\.home=(\S+)")
 
 
@@ -228,6 +229,12 @@ def with_java_options(settings: dict[str, str], archive_dir: str | None, extra: 
     return {**settings, JAVA_OPTIONS_KEY: joined} if joined else settings
 
 
+def with_executor_options(settings: dict[str, str], extra: str) -> dict[str, str]:
+    """settings whose executors (a standalone cluster's; local mode has none apart) also get the Java options extra."""
+    joined = " ".join(o for o in (str(settings.get(EXECUTOR_OPTIONS_KEY, "")).strip(), str(extra or "").strip()) if o)
+    return {**settings, EXECUTOR_OPTIONS_KEY: joined} if joined else settings
+
+
 def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
     """The session a target's conf describes (spark.app_name, spark.jars_dir, spark.settings).
 
@@ -251,10 +258,13 @@ def from_conf(conf: dict, catalog: str | None = None) -> SparkSession:
         settings = with_log_levels(settings, config.get(conf, "spark.log_levels"))
         settings = with_java_options(settings, config.get(conf, "spark.class_archive_dir"),
                                      config.get(conf, "spark.driver_java_options"))
+    master = settings.get("spark.master", "")
+    standalone = master.startswith("spark://") and not os.environ.get("DATABRICKS_RUNTIME_VERSION")
+    if standalone:
+        settings = with_executor_options(settings, config.get(conf, "spark.executor_java_options"))
     jars_dir = config.get(conf, "spark.jars_dir")
     spark = session(config.get(conf, "spark.app_name"), config.location(jars_dir) if jars_dir else None, settings)
-    master = settings.get("spark.master", "")
-    if master.startswith("spark://") and not os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+    if standalone:
         require_master(spark, master)
         ship_project(spark)
         check_reach(spark, task_endpoints(conf))

@@ -32,6 +32,10 @@ from lib.operate import teardown
 os.environ.setdefault("CDC__SPARK__DRIVER_JAVA_OPTIONS",
                       "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:+UseSerialGC"
                       " -Dspark.sql.codegen.factoryMode=NO_CODEGEN -Dspark.sql.codegen.cache.maxEntries=2000")
+# the executors of the tests' standalone cluster (and the Connect server's, which also takes the options above) live a
+# notebook or a test long: C1 only and the serial collector, for the same reasons
+os.environ.setdefault("CDC__SPARK__EXECUTOR_JAVA_OPTIONS",
+                      "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m -XX:+UseSerialGC")
 
 
 # the longest modules first in the collection (worker seconds in docs/testing.md); xdist then hands out the modules

@@ -80,12 +80,13 @@ def continuous(conf: dict, spark) -> dict:
     stop = threading.Event()
     thread = serve(conf, stop)
     added = with_added(conf)
+    outcome["stopped"] = []  # per stop of the service: whether its thread ended within 180 s
     try:
         outcome["load"] = write_load(conf, uuid.uuid4().hex[:6])
         outcome["added"] = tables.add_table(added, ADDED, log=lambda line: print(line, file=sys.stderr))["state"]
         stop.set()
         thread.join(180)
-        outcome["stopped"] = [not thread.is_alive()]
+        outcome["stopped"].append(not thread.is_alive())
         stop = threading.Event()
         thread = serve(added, stop)
         stream.run(added, until="caught_up", heartbeat_s=0)  # the added table's chunked snapshot included
@@ -93,11 +94,11 @@ def continuous(conf: dict, spark) -> dict:
     finally:
         stop.set()
         thread.join(180)
-        outcome["stopped"] = [*outcome.get("stopped", []), not thread.is_alive()]
+        outcome["stopped"].append(not thread.is_alive())
     return outcome
 
 
-def dead_letter_replay(conf: dict, spark) -> dict:
+def dead_letter_replay(conf: dict, spark, tag: str) -> dict:
     """The newest event of bank.branches sent again, framed with a schema id the registry does not have yet: the
     merge sets it aside; once that id is registered (the same fields, another doc) a replay merges it (the position
     silver holds already: no row changes) and the dead-letter table is empty again."""
@@ -106,31 +107,32 @@ def dead_letter_replay(conf: dict, spark) -> dict:
     registry = schema_registry.client(conf)
     key, value, topic = _newest_event(conf, "bank.branches")
     writer = json.loads(registry.get_schema(int.from_bytes(value[1:5], "big")).schema_str)
-    tag = uuid.uuid4().hex[:8]
+    probe_subject, replay_subject = scratch_subjects(tag)
     probe = {"type": "record", "name": "Probe", "fields": [{"name": f"p{tag}", "type": "int"}]}
-    late_id = schema_registry.register(registry, f"cdc-e2e-probe-{tag}", probe)[0] + 1  # Apicurio counts up
+    late_id = schema_registry.register(registry, probe_subject, probe)[0] + 1  # Apicurio counts up
     producer = Producer(kafka_client.settings(conf, acks="all"))
     producer.produce(topic, key=key, value=schema_registry.confluent_header(late_id) + value[5:])
     assert producer.flush(30) == 0, f"Kafka did not take the re-framed event of {topic}"
     merge.run_until_caught_up(letters, spark)
     path = lake_paths.dead_letter_path(conf)
     found = {"set_aside": [r["reason"] for r in spark.read.format("delta").load(path).collect()]}
-    subject = f"cdc-e2e-replay-{tag}-value"
-    _SUBJECTS.extend([subject, f"cdc-e2e-probe-{tag}"])  # deleted at the end: bronze holds an event of late_id
-    found["registered_id"] = schema_registry.register(registry, subject, {**writer, "doc": f"replay {tag}"})[0]
+    found["registered_id"] = schema_registry.register(registry, replay_subject, {**writer, "doc": f"replay {tag}"})[0]
     found["late_id"] = late_id
     found["replay"] = merge.replay_dead_letters(conf, spark)
     found["left"] = spark.read.format("delta").load(path).count()
     return found
 
 
-_SUBJECTS: list[str] = []  # the registry subjects this run made beside the pipeline's
+def scratch_subjects(tag: str) -> list[str]:
+    """The registry subjects dead_letter_replay makes beside the pipeline's (deleted at the end of the run, not
+    before: bronze holds an event framed with the replay subject's id)."""
+    return [f"cdc-e2e-probe-{tag}", f"cdc-e2e-replay-{tag}-value"]
 
 
-def _forget_subjects(conf: dict) -> None:
-    """Delete _SUBJECTS (a subject left behind harms nothing: not a failure)."""
+def _forget_subjects(conf: dict, tag: str) -> None:
+    """Delete the run's scratch subjects (one left behind, or never made, harms nothing: not a failure)."""
     registry = schema_registry.client(conf)
-    for name in _SUBJECTS:
+    for name in scratch_subjects(tag):
         with contextlib.suppress(SchemaRegistryError):
             registry.delete_subject(name)
             registry.delete_subject(name, permanent=True)
@@ -154,7 +156,7 @@ def _newest_event(conf: dict, table: str) -> tuple[bytes, bytes, str]:
         consumer.close()
 
 
-def run(target: str) -> dict:
+def run(target: str, tag: str) -> dict:
     """The job (without ADDED), the load, the catch-up and the checks on target; what each gave."""
     every = config.load(target)  # the job's notebooks inherit these two: ADDED neither captured nor in the policy
     captured = [t for t in config.get(every, "source.tables") if t != ADDED]
@@ -190,7 +192,7 @@ def run(target: str) -> dict:
         fresh = {table: spark.table(masking.view(conf, table, "fresh", keep)) for table in facts["silver"]}
         facts["fresh"] = {r["table"]: r["equal"] for r in reconcile.reconcile(conf, spark, against=fresh)}
     with _phase(facts["seconds"], "dead_letter"):
-        facts["dead_letter"] = dead_letter_replay(conf, spark)
+        facts["dead_letter"] = dead_letter_replay(conf, spark, tag)
     with _phase(facts["seconds"], "service"):
         facts["service"] = continuous(conf, spark)
     with _phase(facts["seconds"], "after_service"):
@@ -260,12 +262,12 @@ if __name__ == "__main__":
     # A hang anywhere (CI once saw this process outlive the test's 1200 s after printing its result): every thread's
     # stack on stderr and exit 1 before the test gives up, so the failure says where it waited.
     faulthandler.dump_traceback_later(int(os.environ.get("CDC_E2E_WATCHDOG_S", "1100")), exit=True)
-    every_table = config.load(name)
+    every_table, run_tag = config.load(name), uuid.uuid4().hex[:8]
     try:
-        print("PIPELINE " + json.dumps(run(name), default=str), flush=True)
+        print("PIPELINE " + json.dumps(run(name, run_tag), default=str), flush=True)
     finally:
         teardown.run(every_table, topics=True, confirm=True, log=lambda line: print(line, file=sys.stderr))
-        _forget_subjects(every_table)
+        _forget_subjects(every_table, run_tag)
     left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     print(f"{DONE} threads Python waits for at exit: {left or 'none'}", file=sys.stderr, flush=True)
     # What is left is pyspark's: at exit its Connect client joins its release threads (the ThreadPoolExecutor ones)

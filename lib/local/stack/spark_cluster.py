@@ -27,6 +27,7 @@ from pathlib import Path
 import pyspark
 
 from lib import config
+from lib import spark as spark_lib
 from lib.local.stack import process
 from lib.local.stack.process import StackError
 
@@ -150,6 +151,11 @@ def _start_connect(conf: dict, stack_dir: Path, env: dict, timeout: float, log) 
         "spark.pyspark.python": interpreter, "spark.pyspark.driver.python": interpreter,
         "spark.sql.shuffle.partitions": "4", "spark.jars": ",".join(jars),
     }
+    # the server is a local driver: it starts from the class-data archive and takes the Java options a local driver and
+    # a cluster's executors get (spark.driver_java_options, spark.executor_java_options; the tests ask for C1 only)
+    settings = spark_lib.with_java_options(settings, config.get(conf, "spark.class_archive_dir"),
+                                           config.get(conf, "spark.driver_java_options"))
+    settings = spark_lib.with_executor_options(settings, config.get(conf, "spark.executor_java_options"))
     where["dir"].mkdir(parents=True, exist_ok=True)
     command = [str(spark_home() / "bin" / "spark-submit"), "--class", CONNECT_CLASS,
                *[arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}")]]
