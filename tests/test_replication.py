@@ -128,7 +128,10 @@ def test_psycopg2_cursor_alone_confirms_what_it_was_not_told(hazard):
     try:
         below_b, confirmed = _scenario(hazard, schema, read,
                                        lambda lsn: cursor.send_feedback(flush_lsn=lsn, write_lsn=lsn),
-                                       lambda: cursor.send_feedback(force=True), settle_s=45.0)
+                                       # reply: the server answers with a keepalive at once, whose WAL end
+                                       # psycopg2 then confirms (without it the test waited for the walsender's
+                                       # own keepalive, which a loaded machine sent after the 45 s twice)
+                                       lambda: cursor.send_feedback(force=True, reply=True), settle_s=45.0)
     finally:
         conn.close()
     assert confirmed > below_b, ("psycopg2 no longer confirms past the acknowledged position on a keepalive; "
