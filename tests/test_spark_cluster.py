@@ -46,15 +46,20 @@ def cluster(live_stack, tmp_path_factory):
         spark_cluster.stop(conf, folder, log=lines.append)
 
 
-def _sample_copy(conf: dict, database: str) -> None:
-    """A database of its own holding the sample bank (as `make sample` loads it), owned by the admin role."""
+def _as_admin(conf: dict, statement: str, database: str) -> None:
+    """One statement on a database, such as CREATE DATABASE {}, run by the admin role."""
     admin = source.connect(conf, admin=True, dbname="postgres")
     admin.autocommit = True
     try:
         with admin.cursor() as cur:
-            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+            cur.execute(sql.SQL(statement).format(sql.Identifier(database)))
     finally:
         admin.close()
+
+
+def _sample_copy(conf: dict, database: str) -> None:
+    """A database of its own holding the sample bank (as `make sample` loads it), owned by the admin role."""
+    _as_admin(conf, "CREATE DATABASE {}", database)
     stack.sample({**conf, "source": {**conf["source"], "database": database}}, log=lambda line: None)
 
 
@@ -75,13 +80,7 @@ def _drop_database(conf: dict, database: str) -> None:
                         (database,))
     finally:
         reader.close()
-    admin = source.connect(conf, admin=True, dbname="postgres")
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cur:
-            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
-    finally:
-        admin.close()
+    _as_admin(conf, "DROP DATABASE IF EXISTS {} WITH (FORCE)", database)
 
 
 def _start_pipeline(cluster, target: str, folder) -> dict:
