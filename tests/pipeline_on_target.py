@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 
+from capture_thread import CaptureThread
 from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 
@@ -90,7 +91,14 @@ def continuous(conf: dict, spark) -> dict:
         stop = threading.Event()
         thread = serve(added, stop)
         stream.run(added, until="caught_up", heartbeat_s=0)  # the added table's chunked snapshot included
-        outcome["caught_up_s"] = monitor.wait_until_caught_up(added, timeout_s=600, spark=spark)["seconds"]
+        # the capture keeps running, as its service would, while the lake catches up: the wait asks the slot for the
+        # server's WAL position of now, which other databases on the server move on (the other target's run)
+        capture = CaptureThread(added)
+        try:
+            outcome["caught_up_s"] = monitor.wait_until_caught_up(added, timeout_s=600, spark=spark)["seconds"]
+        finally:
+            capture.stop.set()
+            capture.join(60)
     finally:
         stop.set()
         thread.join(180)
