@@ -63,7 +63,7 @@ def socket_bytes(pid: int) -> dict[str, int]:
 def py4j_share(before: dict[str, int], after: dict[str, int], port: int) -> int:
     """Of socket_delta, the bytes on the JVM's py4j connections (its local port is the gateway's): the notebook's
     Python calling its own JVM, counted on both ends."""
-    return sum(n - before.get(key, 0) for key, n in after.items() if key.split()[0].endswith(f":{port}"))
+    return socket_delta(before, {key: n for key, n in after.items() if key.split()[0].endswith(f":{port}")})
 
 
 def broadcast_kib(log: str) -> list[float]:

@@ -203,7 +203,7 @@ def totals(pairs: list[tuple[str, DataFrame, DataFrame, list[str]]], tasks: int 
     result carries the metrics of every table's plan): {table: {"source"|"silver": (rows, checksum)}}."""
     if not pairs:
         return {}
-    parts = [frame.selectExpr(f"{_literal(name)} AS __t", f"'{side}' AS __side",
+    parts = [frame.selectExpr(f"{delta_io.literal(name)} AS __t", f"'{side}' AS __side",
                               f"xxhash64({', '.join(quote(c) for c in columns)}) AS __h")
              for name, src, silver, columns in pairs for side, frame in (("source", src), ("silver", silver))]
     found: dict[str, dict] = {}
@@ -212,11 +212,6 @@ def totals(pairs: list[tuple[str, DataFrame, DataFrame, list[str]]], tasks: int 
             F.count(F.lit(1)).alias("n"), F.sum(F.col("__h").cast("decimal(38,0)")).alias("checksum")).collect():
         found.setdefault(r["__t"], {})[r["__side"]] = (r["n"], r["checksum"])
     return found
-
-
-def _literal(text: str) -> str:
-    """A Spark SQL string literal."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def compare(src: DataFrame, silver: DataFrame, keys: list[str], sample: int = 10,
