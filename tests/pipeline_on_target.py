@@ -1,9 +1,10 @@
 """Test helper, run as a script in a process of its own: the whole pipeline on a target (issue 29).
 
-    python tests/pipeline_on_target.py <target>
+    python tests/pipeline_on_target.py <target> [--lib-steps]
 
-The five notebooks as a job (``continuous``, ``demo`` and the sample ``workload`` off, as the bundle's job runs
-them), then a write load on the sample bank (the workload's inserts, updates and deletes, and a primary key change),
+The five notebooks as a job (``continuous``, ``demo`` and the sample ``workload`` off, as the bundle's job runs them;
+``--lib-steps``: the bootstrap and the snapshot from lib instead, where another test runs the job on the target), then
+a write load on the sample bank (the workload's inserts, updates and deletes, and a primary key change),
 the capture and the merge caught up, and every table reconciled, silver and the fresh view; then the continuous merge
 service (its bronze query and silver cadence) while a second load arrives, until monitor says caught up, and
 reconcile again. Between them, a dead letter set aside and replayed once its schema arrives; during the service, a
@@ -28,7 +29,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError
 
 from lib import config, kafka_client, schema_registry, source
 from lib import spark as spark_lib
-from lib.capture import avro_schemas, stream
+from lib.capture import avro_schemas, bootstrap, snapshot, stream
 from lib.lake import lake_paths, merge, reconcile
 from lib.local import workload
 from lib.operate import jobs, monitor, tables, teardown, workers
@@ -164,20 +165,26 @@ def _newest_event(conf: dict, table: str) -> tuple[bytes, bytes, str]:
         consumer.close()
 
 
-def run(target: str, tag: str) -> dict:
-    """The job (without ADDED), the load, the catch-up and the checks on target; what each gave."""
+def run(target: str, tag: str, job: bool = True) -> dict:
+    """The job (without ADDED; job False: the steps of its notebooks 01 and 02 from lib), the load, the catch-up and
+    the checks on target; what each gave."""
     every = config.load(target)  # the job's notebooks inherit these two: ADDED neither captured nor in the policy
     captured = [t for t in config.get(every, "source.tables") if t != ADDED]
     os.environ["CDC__SOURCE__TABLES"] = "[" + ", ".join(captured) + "]"
     os.environ["CDC__MASKING__TABLES"] = json.dumps({t: columns for t, columns in config.get(every, "masking.tables")
                                                      .items() if t != ADDED})
     facts = {"seconds": {}}
-    with _phase(facts["seconds"], "job"):
-        ran = jobs.run(target, parameters={"continuous": False, "demo": False, "workload": 0},  # as the bundle's job
-                       log=lambda line: print(line, file=sys.stderr))
-    facts["job"] = {r["notebook"]: r["ok"] if r["ok"] else r["error"] for r in ran}
-    if not all(r["ok"] for r in ran):
-        return facts
+    with _phase(facts["seconds"], "job" if job else "bootstrap_and_snapshot"):
+        if job:
+            ran = jobs.run(target, parameters={"continuous": False, "demo": False, "workload": 0},  # as the bundle's
+                           log=lambda line: print(line, file=sys.stderr))
+            facts["job"] = {r["notebook"]: r["ok"] if r["ok"] else r["error"] for r in ran}
+            if not all(r["ok"] for r in ran):
+                return facts
+        else:
+            conf = config.load(target)
+            bootstrap.run(conf, log=lambda line: print(line, file=sys.stderr))
+            facts["snapshot"] = snapshot.run(conf, spark_lib.from_conf(conf))["status"]
     conf = config.load(target)
     with _phase(facts["seconds"], "load_and_capture"):
         facts["load"] = write_load(conf, uuid.uuid4().hex[:6])
@@ -266,13 +273,13 @@ DONE = "e2e       done;"  # the line after the result and the teardown
 
 
 if __name__ == "__main__":
-    name = sys.argv[1]
+    name, with_job = sys.argv[1], "--lib-steps" not in sys.argv[2:]
     # A hang anywhere (CI once saw this process outlive the test's 1200 s after printing its result): every thread's
     # stack on stderr and exit 1 before the test gives up, so the failure says where it waited.
     faulthandler.dump_traceback_later(int(os.environ.get("CDC_E2E_WATCHDOG_S", "1100")), exit=True)
     every_table, run_tag = config.load(name), uuid.uuid4().hex[:8]
     try:
-        print("PIPELINE " + json.dumps(run(name, run_tag), default=str), flush=True)
+        print("PIPELINE " + json.dumps(run(name, run_tag, with_job), default=str), flush=True)
     finally:
         teardown.run(every_table, topics=True, confirm=True, log=lambda line: print(line, file=sys.stderr))
         _forget_subjects(every_table, run_tag)

@@ -1,6 +1,6 @@
 """A database that is not the sample, set up as README's "Capture your own database" says, with its own conf file,
-and the five notebooks run on it as a job (tests/test_own_database.py on local Spark, tests/test_spark_cluster.py
-through Spark Connect).
+and the five notebooks run on it as a job through Spark Connect (tests/test_spark_cluster.py);
+tests/test_own_database.py runs the same steps from lib on local Spark.
 
 The database lives on the newest PostgreSQL major the README claims (18, a server of the version matrix,
 lib/local/stack/pg_versions.py): a superuser makes the reading role (LOGIN REPLICATION) and the owner role, which
@@ -74,10 +74,10 @@ def superuser(server: dict, dbname: str = "postgres"):
 
 
 @contextlib.contextmanager
-def job(live_stack: dict, folder, drop_slot, environ: dict | None = None):
-    """The shop database with rows, conf/<target>.yml in folder (environ: the job's environment, CDC__ overrides
-    included), and `python -m lib.operate.jobs --target <it> -p continuous false` run on it (as the bundle's job
-    runs them); yields {conf, owner, job, runs}. Drops the database, roles, slot and topics afterwards."""
+def database(live_stack: dict, folder, drop_slot, environ: dict | None = None):
+    """The shop database with rows and conf/<target>.yml in folder (environ: the environment the conf is read in,
+    CDC__ overrides included); yields {conf, owner, target, env}. Drops the database, roles, slot and topics
+    afterwards."""
     server = pg_versions.up(live_stack, [MAJOR], log=lambda line: None)[MAJOR]
     tag = uuid.uuid4().hex[:8]
     database, target = f"shop_{tag}", f"shop_{tag}"
@@ -123,17 +123,25 @@ def job(live_stack: dict, folder, drop_slot, environ: dict | None = None):
         (folder / "conf" / f"{target}.yml").write_text(yaml.safe_dump(raw, sort_keys=False))
         env = {**(environ or os.environ), **passwords, "CDC_CONF_DIR": str(folder / "conf")}
         conf = config.load(target, conf_dir=folder / "conf", environ=env)
-        # notebook 04 with continuous=False: the services are jobs of their own there (the continuous section runs
-        # in the notebooks under nbval and in tests/test_service.py)
-        done = subprocess.run([sys.executable, "-m", "lib.operate.jobs", "--target", target, "-p", "continuous",
-                               "false"], cwd=config.PROJECT_ROOT, env=env, capture_output=True, text=True,
-                              timeout=1500)
-        yield {"conf": conf, "owner": owner, "job": done, "runs": sorted((folder / "runs").glob("*/*.ipynb"))}
+        yield {"conf": conf, "owner": owner, "target": target, "env": env}
     finally:
         if conf is not None:
             drop_slot(conf, target)
         owner.close()
         server_roles.remove(root, server_conf, database, [reader, owner_role], passwords)
+
+
+@contextlib.contextmanager
+def job(live_stack: dict, folder, drop_slot, environ: dict | None = None):
+    """The shop database, and `python -m lib.operate.jobs --target <it> -p continuous false` run on it (as the bundle's
+    job runs them); yields the database's dict with the job's outcome and its executed notebooks (runs)."""
+    with database(live_stack, folder, drop_slot, environ) as shop:
+        # notebook 04 with continuous=False: the services are jobs of their own there (the continuous section runs
+        # in the notebooks under nbval and in tests/test_service.py)
+        done = subprocess.run([sys.executable, "-m", "lib.operate.jobs", "--target", shop["target"], "-p",
+                               "continuous", "false"], cwd=config.PROJECT_ROOT, env=shop["env"], capture_output=True,
+                              text=True, timeout=1500)
+        yield {**shop, "job": done, "runs": sorted((folder / "runs").glob("*/*.ipynb"))}
 
 
 def executed(shop: dict) -> str:
