@@ -46,7 +46,7 @@ def test_the_owner_role_bootstraps_and_the_lake_starts_exact_on_a_database_that_
     assert [(r["table"], r["equal"]) for r in results] == [(table, True) for table in TABLES], results
 
 
-def test_changes_after_the_first_merge_show_in_the_fresh_view_while_silver_waits_then_silver_is_exact(shop, spark_session):
+def test_later_changes_show_in_the_fresh_view_while_silver_waits_then_silver_is_exact(shop, spark_session):
     conf, tag = shop["conf"], uuid.uuid4().hex[:6]
     with shop["owner"].cursor() as cur:
         write_rows(cur, 21, 5, CANARIES[2])
