@@ -120,7 +120,7 @@ check: $(STAMP) lint  ## the fast loop: ruff and every test that needs no runnin
 
 compat: up  ## the pipeline on every PostgreSQL major from 13 to 18 (servers started beside the stack)
 	$(PY) -m lib.local.stack versions up
-	CDC_PG_MAJORS=$(PG_MAJORS_ALL) $(PY) -m pytest --durations=10 tests/test_pg_versions.py tests/test_pgoutput_versions.py
+	CDC_PG_MAJORS=$(PG_MAJORS_ALL) CDC_PG_COPY_MAJORS=$(PG_MAJORS_ALL) $(PY) -m pytest --durations=10 tests/test_pg_versions.py tests/test_pgoutput_versions.py
 
 faults: up  ## failure matrix under load (Kafka/PostgreSQL/registry down, kill -9, disk full...); docs/reliability.md
 	$(PY) bench/fault_matrix.py $(if $(CASES),--cases $(CASES)) $(if $(CYCLES),--cycles $(CYCLES))

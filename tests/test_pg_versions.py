@@ -4,8 +4,9 @@ Per major, the README's own-database path: a superuser makes a reading role with
 role that owns the schema but not the database; notebook 01's checks name the missing CREATE grant, then
 bootstrap, the snapshot (jdbc reader), the stream with a large transaction streamed in blocks, a rolled-back
 one, deletes, TOAST, a key change and a column added by DDL, the merge and an exact reconcile; then the
-copy reader takes the snapshot again (on the oldest major) and the lake is still exact. `CDC_PG_MAJORS` picks the majors
-(`make test`: 13 and 18, beside every other test on the stack's own server; `make compat`: all). 15 is
+copy reader takes the snapshot again and the lake is still exact. `CDC_PG_MAJORS` picks the majors (`make test`:
+13 and 18, beside every other test on the stack's own server; `make compat`: all), `CDC_PG_COPY_MAJORS` those of
+the copy reader's test (by default the oldest: on 18 it takes test_own_database's snapshot). 15 is
 the stack's own server, the others come from lib/local/stack/pg_versions.py.
 """
 
@@ -30,6 +31,9 @@ from lib.local.stack import pg_versions, postgres
 pytestmark = pytest.mark.stack
 
 MAJORS = [int(m) for m in os.environ.get("CDC_PG_MAJORS", "13,18").split(",") if m.strip()]
+# the copy reader's re-snapshot: the oldest major in make test (on 18 it takes test_own_database's snapshot), every
+# major in make compat
+COPY_MAJORS = [m for m in MAJORS if str(m) in os.environ.get("CDC_PG_COPY_MAJORS", str(MAJORS[0])).split(",")]
 STACK_MAJOR = 15
 TABLES = ["shop.items", "shop.order_lines", "shop.documents"]
 DDL = """
@@ -164,8 +168,7 @@ def test_snapshot_stream_and_merge_end_exact(shop, spark_session):
     assert [(r["table"], r["equal"]) for r in results] == [(t, True) for t in TABLES], results
 
 
-# on the oldest major only: on 18 the copy reader takes tests/test_own_database.py's snapshot
-@pytest.mark.parametrize("server", MAJORS[:1], indirect=True, ids=lambda major: f"pg{major}")
+@pytest.mark.parametrize("server", COPY_MAJORS, indirect=True, ids=lambda major: f"pg{major}")
 def test_the_copy_reader_takes_the_snapshot_again_and_the_lake_stays_exact(shop, spark_session):
     conf = config.apply_overrides(shop["conf"], {"CDC__SNAPSHOT__READER": "copy"})
     with shop["owner"].cursor() as cur:
