@@ -38,11 +38,17 @@ system:  ## Debian packages: a PostgreSQL server (Debian's default major), Java 
 $(STAMP): requirements.txt pyproject.toml setup.py lib/capture/_native.pyx
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# first what the stack's downloads import: they run (Maven, about 40 s) while pip installs the rest
+	$(PY) -m pip install -q $$(grep -E '^(pyspark|PyYAML|cryptography|psycopg2-binary)==' requirements.txt)
+	$(PY) -m lib.local.stack fetch --downloads > $(VENV)/downloads.log 2>&1 & downloads=$$!
 	$(PY) -m pip install -q -r requirements.txt
 	# builds the capture's compiled hot path (Cython, a C compiler); without them the install goes on without it
 	rm -f lib/capture/_native*.so
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c 'from lib.capture import native; print("capture   " + native.REASON)'
+	status=0; wait $$downloads || status=$$?
+	cat $(VENV)/downloads.log
+	if [ $$status -ne 0 ]; then echo "error: the stack's downloads failed (exit $$status; the lines above)" >&2; exit 1; fi
 	touch $(STAMP)
 
 fetch: $(STAMP)  ## Kafka, Apicurio Registry and Spark's Delta/Kafka/Avro jars into .stack/cache

@@ -140,8 +140,12 @@ def unavailable(admin_client: AdminClient, metadata, prefix: str, writes: bool, 
                 return (f"topic {name} partition {number} has no leader that answers (leader: broker "
                         f"{part.leader}; in-sync replicas that do not answer: {', '.join(map(str, down)) or 'none'}): "
                         f"start the brokers that are down")
-            needed = insync_needed.get(name, 1)
-            if writes and len(part.isrs) - len(down) < needed:
+            needed = insync_needed.get(name)
+            if writes and needed is None and down:  # its min.insync.replicas unread: a broker that lost its quorum
+                return (f"topic {name} partition {number} may not take writes: its in-sync replicas "  # times out
+                        f"{', '.join(map(str, down))} do not answer, and the brokers that do did not say its "
+                        f"min.insync.replicas: start the brokers that are down")
+            if writes and len(part.isrs) - len(down) < (needed or 1):
                 return (f"topic {name} partition {number} cannot take writes: {len(part.isrs) - len(down)} of its "
                         f"in-sync replicas answer (brokers {', '.join(map(str, down))} do not), min.insync.replicas "
                         f"is {needed}: start the brokers that are down")
@@ -158,11 +162,11 @@ def _answers(host: str, port: int, timeout_s: float) -> bool:
 
 
 def _min_insync(admin_client: AdminClient, names: list[str], timeout_s: float) -> dict[str, int]:
-    """Topic name -> min.insync.replicas; {} when the brokers do not say (then a leader that answers is enough)."""
+    """Topic name -> min.insync.replicas; {} when the brokers do not say (refused, or no answer in time)."""
     try:
         return {name: int(settings["min.insync.replicas"])
                 for name, settings in _topic_configs(admin_client, names, timeout_s).items()}
-    except (TopicError, KafkaException):
+    except (TopicError, KafkaException, TimeoutError):
         return {}
 
 

@@ -78,6 +78,10 @@ def test_a_partition_whose_in_sync_replicas_do_not_answer_cannot_take_writes(mon
                        "not), min.insync.replicas is 2: start the brokers that are down")
         monkeypatch.setattr(topics, "_min_insync", lambda admin, names, timeout_s: {"p.t": 1})
         assert topics.unavailable(None, stale, "p", writes=True) is None
+        monkeypatch.setattr(topics, "_min_insync", lambda admin, names, timeout_s: {})  # the brokers did not say
+        assert topics.unavailable(None, stale, "p", writes=True) == (
+            "topic p.t partition 0 may not take writes: its in-sync replicas 2 do not answer, and the brokers that do "
+            "did not say its min.insync.replicas: start the brokers that are down")
         leaderless = _metadata(closed_port, open_port, [1, 2])
         assert topics.unavailable(None, leaderless, "p", writes=False) == (
             "topic p.t partition 0 has no leader that answers (leader: broker 1; in-sync replicas that do not "
@@ -85,6 +89,16 @@ def test_a_partition_whose_in_sync_replicas_do_not_answer_cannot_take_writes(mon
     finally:
         listener.close()
         closed.close()
+
+
+def test_topic_settings_the_brokers_do_not_answer_in_time_are_unknown_not_an_error():
+    """A cluster that lost its controller quorum may never answer describe_configs: the keeper's probe then goes on
+    without min.insync.replicas (found by tests/test_brokers.py, whose probe raised TimeoutError)."""
+    import concurrent.futures
+
+    unanswered = concurrent.futures.Future()
+    admin = SimpleNamespace(describe_configs=lambda resources, request_timeout: {r: unanswered for r in resources})
+    assert topics._min_insync(admin, ["p.t"], 0.2) == {}
 
 
 def test_the_capture_says_what_it_waits_for_after_ten_seconds(conf):

@@ -112,6 +112,10 @@ def _scenario(conf: dict, schema: str, read, acknowledge, status, settle_s: floa
             conn.close()
 
 
+# serial: alone after make test's parallel part. Its hazard needs the last message psycopg2 read to lie below the
+# acknowledged position when the keepalive comes; beside the other workers' load that failed about one run in ten
+# (2026-11-29: CI's fresh clone, confirmed at the acknowledged position after 45 s)
+@pytest.mark.serial
 def test_psycopg2_cursor_alone_confirms_what_it_was_not_told(hazard):
     """Why lib.capture.replication exists: psycopg2's read_message moves its flush to a keepalive's WAL end."""
     schema, hazard = hazard.schema, hazard.conf

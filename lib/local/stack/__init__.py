@@ -39,10 +39,12 @@ def stack_dir(conf: dict) -> Path:
     return config.project_path(config.get(conf, "stack.dir")).resolve()
 
 
-def fetch_all(conf: dict, log=print) -> None:
-    """Download (or find in the cache) everything the stack and Spark need; the driver's class-data archive."""
+def fetch_all(conf: dict, log=print, archive: bool = True) -> None:
+    """Download (or find in the cache) everything the stack and Spark need; the driver's class-data archive unless
+    archive is False (it needs pyspark installed, the downloads do not)."""
     fetch.fetch_all(stack_dir(conf), log=log)
-    spark_cds.ensure(conf, log=log)
+    if archive:
+        spark_cds.ensure(conf, log=log)
 
 
 def env_references(node) -> list[str]:

@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lib.local.stack", description=__doc__)
     parser.add_argument("--target", default="local", help="conf/<target>.yml (default: local)")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("fetch", help="download Kafka, Apicurio Registry and Spark jars into the cache")
+    fetch = commands.add_parser("fetch", help="download Kafka, Apicurio Registry and Spark jars into the cache")
+    fetch.add_argument("--downloads", action="store_true",
+                       help="only the downloads, not the driver's class-data archive (which needs pyspark)")
     commands.add_parser("up", help="start PostgreSQL, Kafka and the registry; wait until ready")
     commands.add_parser("down", help="stop every service (data and logs stay)")
     commands.add_parser("status", help="what runs: pid, port, version, log file")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         conf = config.load(args.target)
         if args.command == "fetch":
-            stack.fetch_all(conf)
+            stack.fetch_all(conf, archive=not args.downloads)
         elif args.command == "up":
             stack.up(conf)
         elif args.command == "sample":
