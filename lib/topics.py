@@ -141,8 +141,9 @@ def unavailable(admin_client: AdminClient, metadata, prefix: str, writes: bool, 
                         f"{part.leader}; in-sync replicas that do not answer: {', '.join(map(str, down)) or 'none'}): "
                         f"start the brokers that are down")
             needed = insync_needed.get(name)
-            if writes and needed is None and down:  # its min.insync.replicas unread: a broker that lost its quorum
-                return (f"topic {name} partition {number} may not take writes: its in-sync replicas "  # times out
+            # its min.insync.replicas unread (a cluster that lost its quorum may not answer in time)
+            if writes and needed is None and down:
+                return (f"topic {name} partition {number} may not take writes: its in-sync replicas "
                         f"{', '.join(map(str, down))} do not answer, and the brokers that do did not say its "
                         f"min.insync.replicas: start the brokers that are down")
             if writes and len(part.isrs) - len(down) < (needed or 1):

@@ -173,7 +173,7 @@ def run(target: str, tag: str, job: bool = True) -> dict:
     os.environ["CDC__SOURCE__TABLES"] = "[" + ", ".join(captured) + "]"
     os.environ["CDC__MASKING__TABLES"] = json.dumps({t: columns for t, columns in config.get(every, "masking.tables")
                                                      .items() if t != ADDED})
-    facts = {"seconds": {}}
+    facts, conf = {"seconds": {}}, config.load(target)
     with _phase(facts["seconds"], "job" if job else "bootstrap_and_snapshot"):
         if job:
             ran = jobs.run(target, parameters={"continuous": False, "demo": False, "workload": 0},  # as the bundle's
@@ -182,10 +182,8 @@ def run(target: str, tag: str, job: bool = True) -> dict:
             if not all(r["ok"] for r in ran):
                 return facts
         else:
-            conf = config.load(target)
             bootstrap.run(conf, log=lambda line: print(line, file=sys.stderr))
             facts["snapshot"] = snapshot.run(conf, spark_lib.from_conf(conf))["status"]
-    conf = config.load(target)
     with _phase(facts["seconds"], "load_and_capture"):
         facts["load"] = write_load(conf, uuid.uuid4().hex[:6])
         facts["stream"] = stream.run(conf, until="caught_up", heartbeat_s=0).get("events")

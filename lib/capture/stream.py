@@ -297,9 +297,6 @@ def _close(st: State, failure: BaseException | None) -> BaseException | None:
             slot_position.record_now(st, 10.0)  # the slot hears of a position only once its record is in Kafka
         if st.until == "caught_up" and failure is None and late is None:  # only later commits may be unsent
             st.caught_up = st.stop_reason == "caught_up" and all(t[3] >= st.acks.target for t in st.acks.inflight)
-        # done with it: librdkafka's threads end when the producer is destroyed, which must not wait until whoever
-        # holds this run's error (a notebook's kernel, a test) lets go of the state its frames reference
-        st.producer = None
     if st.cursor is not None:
         with contextlib.suppress(psycopg2.Error):
             slot_position.release(st)
