@@ -1,0 +1,172 @@
+"""Probe: what one trigger of a running merge query pays as the tables it touches grow, decoded (as shipped) and
+undecoded (the raw records appended, the decode left to a later step).
+
+    .venv/bin/python bench/trigger_probe.py [--small 50] [--records 20000] [--reps 3] [--tables 1 10 51]
+
+Builds the estate of bench/tables_bench.py (``--small`` tables of 1,000 rows and ``big``) in its own database and
+snapshots it into Kafka. Then, per mode, one streaming query over every table topic (the merge's Kafka options,
+started at the topics' ends, a trigger every second) runs as the merge service's does: its consumers and the
+decode plans stay between triggers, unlike a catch-up (bench/tables_bench.py), which is a new query each time.
+Per touched-table count and rep, the probe sends ``--records`` records spread evenly over that many topics at once
+(the snapshot's own records again, bytes and headers unchanged, repeated as needed) and waits until the query has
+read them, so every burst carries the same work and only the tables it touches differ; a trigger's
+cost is Spark's ``triggerExecution`` for the micro-batches that held them (a burst split over two triggers is
+counted as both). Modes:
+
+- **decoded**: the merge's foreachBatch function (``micro_batch.process_batch``: decode, one bronze log commit);
+- **raw**: the records with their framing read (schema ids, a tombstone's position) appended to a Delta table
+  as they came, which is what a trigger that leaves the decode to the silver step would pay.
+
+Everything it made (database, slot, topics, lake) is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import batch_probe  # noqa: E402 - the sibling modules, found through the path set above
+import bench_env  # noqa: E402
+import tables_bench  # noqa: E402
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+
+from lib import config  # noqa: E402
+from lib import spark as spark_session  # noqa: E402
+from lib.capture import snapshot  # noqa: E402
+from lib.lake import lake_paths, merge, micro_batch  # noqa: E402
+
+
+def records(conf: dict, topics: list[str], per_table: int) -> dict[str, list]:
+    """The last per_table records of each topic, as (partition, key, value, headers) to send again."""
+    consumer = Consumer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                         "group.id": f"probe-{time.monotonic_ns()}", "enable.auto.commit": False})
+    try:
+        ends = bench_env.topic_ends(conf, topics)
+        found: dict[str, list] = {}
+        for topic, parts in ends.items():
+            starts = [TopicPartition(topic, int(p), max(0, end - per_table // len(parts))) for p, end in parts.items()]
+            want = sum(end - tp.offset for tp, end in zip(starts, parts.values(), strict=True))
+            consumer.assign(starts)
+            got: list = []
+            while len(got) < want:
+                message = consumer.poll(10)
+                if message is None:
+                    raise RuntimeError(f"{topic}: read {len(got)} of {want} records")
+                if message.error() is None:
+                    got.append((message.partition(), message.key(), message.value(), message.headers()))
+            found[topic] = got
+        return found
+    finally:
+        consumer.close()
+
+
+def start(conf: dict, spark, mode: str, folder: str):
+    """The streaming query of one mode, started at the topics' ends, a trigger every second."""
+    options = {**merge.kafka_options(conf), "startingOffsets": "latest"}
+    reader = spark.readStream.format("kafka")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    if mode == "decoded":
+        ctx = micro_batch.context(conf, f"trigger-probe-{mode}", app_id=f"trigger-probe-{mode}")
+
+        def function(frame, batch_id):
+            micro_batch.process_batch(frame, batch_id, ctx)
+    else:
+        def function(frame, batch_id):
+            batch_probe.raw_append(frame.sparkSession, frame, f"{folder}/raw", batch_id)
+    query = reader.load().writeStream.queryName(f"trigger_probe_{mode}").foreachBatch(function) \
+        .option("checkpointLocation", f"{folder}/checkpoints/{mode}").trigger(processingTime="1 second").start()
+    deadline = time.monotonic() + 120
+    while not query.recentProgress:  # records sent before the query found the topics' ends would be skipped
+        if time.monotonic() > deadline or query.exception() is not None:
+            raise RuntimeError(f"the {mode} query reported no progress: {query.exception()}")
+        time.sleep(0.2)
+    return query
+
+
+def read_rows(query) -> int:
+    """Input rows of every micro-batch the query reported so far."""
+    return sum(p.get("numInputRows", 0) for p in query.recentProgress)
+
+
+def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log) -> dict:
+    """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows)."""
+    before = {p["batchId"] for p in query.recentProgress}
+    sent = 0
+    for topic in topics:
+        mine = saved[topic]
+        for i in range(total // len(topics)):
+            partition, key, value, headers = mine[i % len(mine)]
+            producer.produce(topic, value=value, key=key, partition=partition, headers=headers)
+            sent += 1
+            if sent % 10_000 == 0:
+                producer.poll(0)
+    producer.flush(30)
+    deadline = time.monotonic() + 300
+    while True:
+        batches = [p for p in query.recentProgress if p["batchId"] not in before and p.get("numInputRows", 0) > 0]
+        if sum(p["numInputRows"] for p in batches) >= sent:
+            break
+        if time.monotonic() > deadline or query.exception() is not None:
+            raise RuntimeError(f"the query read {sum(p['numInputRows'] for p in batches)} of {sent} records: "
+                               f"{query.exception()}")
+        time.sleep(0.2)
+    seconds = round(sum(p["durationMs"]["triggerExecution"] for p in batches) / 1000, 2)
+    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s), {seconds} s")
+    return {"tables": len(topics), "records": sent, "triggers": len(batches), "seconds": seconds}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", type=int, default=50, help="small tables (1,000 rows each)")
+    parser.add_argument("--records", type=int, default=20_000, help="records in a burst, over the tables it touches")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tables", type=int, nargs="+", default=[1, 10, 51])
+    parser.add_argument("--modes", nargs="+", default=["decoded", "raw"], choices=["decoded", "raw"])
+    args = parser.parse_args(argv)
+    load_before = bench_env.machine()
+    print(f"machine: {load_before}")
+    folder = tempfile.mkdtemp(prefix="trigger_probe_")
+    conf = tables_bench.prepare(folder, types.SimpleNamespace(small=args.small, big_rows=1000), print)
+    spark, rows = None, []
+    try:
+        spark = spark_session.from_conf(conf, catalog="in-memory")
+        snapshot.run(conf, spark, log=lambda line: None)
+        topics = [s.topic for s in lake_paths.table_specs(conf)]
+        saved = records(conf, topics, 1000)
+        producer = Producer({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers"),
+                             "enable.idempotence": True, "linger.ms": 5})
+        for mode in args.modes:
+            query = start(conf, spark, mode, folder)
+            try:
+                burst(query, producer, saved, topics[:1], 1000, lambda line: None)  # the first builds plans
+                for _ in range(args.reps):
+                    for count in args.tables:
+                        rows.append({"mode": mode, **burst(query, producer, saved, topics[:count], args.records,
+                                                           print)})
+                        time.sleep(2)  # an idle trigger between bursts
+            finally:
+                query.stop()
+    finally:
+        bench_env.finish(conf, folder, spark, log=print)
+    print(f"\nmachine before: {load_before}; after: {bench_env.machine()}\n")
+    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | median / 1 table |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        one = None
+        for count in args.tables:
+            mine = [r for r in rows if r["mode"] == mode and r["tables"] == count]
+            median = statistics.median(r["seconds"] for r in mine)
+            one = one or median
+            print(f"| {mode} | {count} | {mine[0]['records']:,} | {', '.join(str(r['triggers']) for r in mine)} | "
+                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / one:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
