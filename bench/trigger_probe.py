@@ -90,11 +90,6 @@ def start(conf: dict, spark, mode: str, folder: str):
     return query
 
 
-def read_rows(query) -> int:
-    """Input rows of every micro-batch the query reported so far."""
-    return sum(p.get("numInputRows", 0) for p in query.recentProgress)
-
-
 def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log) -> dict:
     """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows)."""
     before = {p["batchId"] for p in query.recentProgress}
@@ -156,16 +151,16 @@ def main(argv=None) -> None:
     finally:
         bench_env.finish(conf, folder, spark, log=print)
     print(f"\nmachine before: {load_before}; after: {bench_env.machine()}\n")
-    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | median / 1 table |")
+    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | against the first |")
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        one = None
+        first = None
         for count in args.tables:
             mine = [r for r in rows if r["mode"] == mode and r["tables"] == count]
             median = statistics.median(r["seconds"] for r in mine)
-            one = one or median
+            first = median if first is None else first
             print(f"| {mode} | {count} | {mine[0]['records']:,} | {', '.join(str(r['triggers']) for r in mine)} | "
-                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / one:.1f} |")
+                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / first:.1f} |")
 
 
 if __name__ == "__main__":
