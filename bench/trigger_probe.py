@@ -1,5 +1,5 @@
-"""Probe: what one trigger of a running merge query pays as the tables it touches grow, decoded (as shipped) and
-undecoded (the raw records appended, the decode left to a later step).
+"""Probe: what one trigger of a running merge query pays as the tables it touches grow, as shipped (the records
+appended undecoded to the raw log; the decode step after the burst timed apart) and as a bare Delta append.
 
     .venv/bin/python bench/trigger_probe.py [--small 50] [--records 20000] [--reps 3] [--tables 1 10 51]
 
@@ -13,9 +13,14 @@ read them, so every burst carries the same work and only the tables it touches d
 cost is Spark's ``triggerExecution`` for the micro-batches that held them (a burst split over two triggers is
 counted as both). Modes:
 
-- **decoded**: the merge's foreachBatch function (``micro_batch.process_batch``: decode, one bronze log commit);
+- **shipped**: the merge's foreachBatch function (``micro_batch.process_batch``: one raw log commit, nothing
+  decoded), and after each burst the decode step that turns those records into the bronze log
+  (``decode_step.run``, which the service runs beside the query), timed on its own;
 - **raw**: the records with their framing read (schema ids, a tombstone's position) appended to a Delta table
-  as they came, which is what a trigger that leaves the decode to the silver step would pay.
+  as they came: the floor of an undecoded trigger.
+
+Until 2026-12-01 the trigger decoded (one ``from_avro`` per table and writer schema); this probe measured that as
+mode ``decoded`` at commit 70ccaeb (docs/benchmarks.md).
 
 Everything it made (database, slot, topics, lake) is removed at the end.
 """
@@ -39,7 +44,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from lib import config  # noqa: E402
 from lib import spark as spark_session  # noqa: E402
 from lib.capture import snapshot  # noqa: E402
-from lib.lake import lake_paths, merge, micro_batch  # noqa: E402
+from lib.lake import decode_step, lake_paths, merge, micro_batch  # noqa: E402
 
 
 def records(conf: dict, topics: list[str], per_table: int) -> dict[str, list]:
@@ -72,7 +77,7 @@ def start(conf: dict, spark, mode: str, folder: str):
     reader = spark.readStream.format("kafka")
     for key, value in options.items():
         reader = reader.option(key, value)
-    if mode == "decoded":
+    if mode == "shipped":
         ctx = micro_batch.context(conf, f"trigger-probe-{mode}", app_id=f"trigger-probe-{mode}")
 
         def function(frame, batch_id):
@@ -123,7 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--records", type=int, default=20_000, help="records in a burst, over the tables it touches")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 10, 51])
-    parser.add_argument("--modes", nargs="+", default=["decoded", "raw"], choices=["decoded", "raw"])
+    parser.add_argument("--modes", nargs="+", default=["shipped", "raw"], choices=["shipped", "raw"])
     args = parser.parse_args(argv)
     load_before = bench_env.machine()
     print(f"machine: {load_before}")
@@ -141,26 +146,38 @@ def main(argv=None) -> None:
             query = start(conf, spark, mode, folder)
             try:
                 burst(query, producer, saved, topics[:1], 1000, lambda line: None)  # the first builds plans
+                decoding = decode_step.decoding(conf)
+                if mode == "shipped":
+                    decode_step.run(conf, spark, decoding)  # the first builds plans
                 for _ in range(args.reps):
                     for count in args.tables:
-                        rows.append({"mode": mode, **burst(query, producer, saved, topics[:count], args.records,
-                                                           print)})
+                        row = {"mode": mode, **burst(query, producer, saved, topics[:count], args.records, print)}
+                        if mode == "shipped":
+                            row["decode"] = decode_step.run(conf, spark, decoding).get("seconds")
+                            print(f"    decode step: {row['decode']} s")
+                        rows.append(row)
                         time.sleep(2)  # an idle trigger between bursts
             finally:
                 query.stop()
     finally:
         bench_env.finish(conf, folder, spark, log=print)
     print(f"\nmachine before: {load_before}; after: {bench_env.machine()}\n")
-    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | against the first |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | against the first "
+          "| decode step after it (each rep) | median | against the first |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        first = None
+        first = first_decode = None
         for count in args.tables:
             mine = [r for r in rows if r["mode"] == mode and r["tables"] == count]
             median = statistics.median(r["seconds"] for r in mine)
             first = median if first is None else first
+            decodes = [r["decode"] for r in mine if r.get("decode") is not None]
+            decode = statistics.median(decodes) if decodes else None
+            first_decode = decode if first_decode is None else first_decode
+            decoded = (f"{', '.join(map(str, decodes))} | {decode} | {decode / first_decode:.1f}" if decodes
+                       else "- | - | -")
             print(f"| {mode} | {count} | {mine[0]['records']:,} | {', '.join(str(r['triggers']) for r in mine)} | "
-                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / first:.1f} |")
+                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / first:.1f} | {decoded} |")
 
 
 if __name__ == "__main__":

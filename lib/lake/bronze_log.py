@@ -59,7 +59,7 @@ PER_TABLE = ("_table", "key", "op", "before", "after", "source", "ts_ms", "trans
 
 
 def log_columns(table: str, tag: str, reason: Column, detail: Column) -> dict[str, Column]:
-    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout (no _batch_id, _seq yet),
+    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout, their raw commit's _seq,
     plus why a row cannot be merged (reason, detail: dead letters, with their raw __k and __v), by column name."""
     env = F.col(f"__env{tag}")
     return {
@@ -70,8 +70,8 @@ def log_columns(table: str, tag: str, reason: Column, detail: Column) -> dict[st
         "_tombstone_lsn": F.col("__tlsn"), "_tombstone_serial": F.col("__tserial"),
         "_kafka_topic": F.col("topic"), "_kafka_partition": F.col("partition"), "_kafka_offset": F.col("offset"),
         "_kafka_timestamp": F.col("timestamp"), "_key_schema_id": F.col("__kid"), "_value_schema_id": F.col("__vid"),
-        "__reason": reason, "__detail": detail,
-        "__k": F.col("__k"), "__v": F.col("__v")}
+        "__reason": reason, "__detail": detail, "_batch_id": F.col("_batch_id"), "_seq": F.col("_seq"),
+        "_query": F.col("_query"), "__k": F.col("__k"), "__v": F.col("__v")}
 
 
 def rows_of_tables(decoded: DataFrame, tables: list[tuple[Column, dict[str, Column]]]) -> DataFrame:
@@ -94,7 +94,7 @@ def rows_of_tables(decoded: DataFrame, tables: list[tuple[Column, dict[str, Colu
 
 def good(combined: DataFrame) -> DataFrame:
     """The rows of rows_of_tables that go to the log."""
-    return combined.filter(F.col("__reason").isNull()).select(*[f.name for f in SCHEMA.fields if f.name != "_seq"])
+    return combined.filter(F.col("__reason").isNull()).select(*SCHEMA.fieldNames())
 
 
 def truncates(spark: SparkSession, path: str) -> dict[str, tuple]:
@@ -103,22 +103,6 @@ def truncates(spark: SparkSession, path: str) -> dict[str, tuple]:
         F.max_by(F.struct(F.col("source.commit_lsn").alias("l"), F.col("source.event_serial").alias("s"),
                           F.col("ts_ms").alias("t")), F.col("_seq")).alias("c")).collect()
     return {row["_table"]: (row["c"]["l"], row["c"]["s"], row["c"]["t"]) for row in found}
-
-
-def truncate_rows(spark: SparkSession, cuts: dict[str, tuple], batch_id: int) -> DataFrame:
-    """One 't' row per table truncated since the last batch: {table: (commit_lsn, event_serial, ts_ms)}."""
-    source = [f.name for f in decode.SOURCE_TYPE.fields]
-    frames = []
-    for table, (lsn, serial, ts) in sorted(cuts.items()):
-        values = {name: None for name in source}
-        values.update(commit_lsn=int(lsn), event_serial=int(serial), ts_ms=int(ts) if ts is not None else None)
-        frames.append((table, TRUNCATE_OP, tuple(values[name] for name in source), values["ts_ms"], batch_id))
-    frame = spark.createDataFrame(frames, T.StructType([
-        T.StructField("_table", T.StringType()), T.StructField("op", T.StringType()),
-        T.StructField("source", decode.SOURCE_TYPE), T.StructField("ts_ms", T.LongType()),
-        T.StructField("_batch_id", T.LongType())]))
-    return frame.select(*[F.col(f.name) if f.name in frame.columns else F.lit(None).cast(f.dataType).alias(f.name)
-                          for f in SCHEMA.fields if f.name != "_seq"])
 
 
 def state(spark: SparkSession, path: str) -> State:
@@ -159,6 +143,11 @@ def append(spark: SparkSession, path: str, frame: DataFrame, log_state: State, m
         .option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
     log_state.seq, log_state.touched, log_state.batches[marker] = seq, touched, batch_id
     return True
+
+
+def append_decoded(spark: SparkSession, path: str, frame: DataFrame, meta: dict) -> None:
+    """Append a decode step's rows (each keeps its raw log _seq) as one commit carrying meta (lib/lake/decode_step)."""
+    frame.write.format("delta").mode("append").option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
 
 
 def pending_slice(spark: SparkSession, path: str, after: dict[str, int], upto_seq: int) -> DataFrame:
