@@ -1,15 +1,17 @@
-"""Bronze: one Delta change log for every table of a pipeline, appended once per trigger.
+"""Bronze: one Delta change log for every table of a pipeline, appended once per decode step.
 
-Each row is one event (or tombstone, or truncate) as the merge decoded it: the table it belongs to, the
-key and the row images as VARIANT (each table has its own columns; one log holds them all, so a trigger
-costs one commit however many tables it touches), the envelope's source and transaction, the Kafka
-coordinates and ``_seq``, the number of the log commit that added it (0, 1, 2, ... in commit order).
-Silver applies the log per table on its own cadence and records in its own commit the ``_seq`` it
-applied up to (lib/lake/silver_step.py); the fresh view adds the log's newer rows to silver.
+Each row is one event (or tombstone, or truncate) as the decode step (lib/lake/decode_step.py) decoded it from
+the raw log (lib/lake/raw_log.py): the table it belongs to, the key and the row images as VARIANT (each table has
+its own columns; one log holds them all, so a step costs one commit however many tables it covers), the
+envelope's source and transaction, the Kafka coordinates and ``_seq``, the number of the raw log commit that
+brought it (0, 1, 2, ... in commit order). Silver applies the log per table on its own cadence and records in
+its own commit the ``_seq`` it applied up to (lib/lake/silver_step.py); the fresh view adds the log's newer rows
+to silver.
 
-Each commit's ``userMetadata`` holds {"merge_batch": <query id>, "batch": <micro-batch id>, "seq": <_seq>,
-"touched": {table: the last _seq holding one of its events}}: a retried micro-batch finds its commit and
-adds nothing, and a reader learns which tables have events silver has not applied, without a scan.
+Each commit's ``userMetadata`` holds {"merge_batch": "decode", "batch": <raw _seq reached>, "seq": <the same>,
+"touched": {table: the last _seq holding one of its events}}: a repeated step starts after it, and a reader
+learns which tables have events silver has not applied, without a scan. (The raw log's commits carry the same
+keys, with the query and micro-batch that wrote them.)
 """
 
 from __future__ import annotations
@@ -125,24 +127,6 @@ def _metadata(text: str | None) -> dict | None:
     except ValueError:
         return None
     return meta if isinstance(meta, dict) and "seq" in meta and "merge_batch" in meta else None
-
-
-def append(spark: SparkSession, path: str, frame: DataFrame, log_state: State, marker: str, batch_id: int,
-           tables: set[str]) -> bool:
-    """Append frame as the log's next commit (its _seq), once per micro-batch; False when already there.
-
-    A micro-batch the log holds already (a retried batch after a crash past the commit) is not
-    appended again: its marker and batch id are in the commit's userMetadata.
-    """
-    if log_state.batches.get(marker, -1) >= batch_id:
-        return False
-    seq = log_state.seq + 1
-    touched = {**log_state.touched, **{table: seq for table in tables}}
-    meta = {"merge_batch": marker, "batch": batch_id, "seq": seq, "touched": touched}
-    frame.withColumn("_seq", F.lit(seq).cast("long")).write.format("delta").mode("append") \
-        .option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
-    log_state.seq, log_state.touched, log_state.batches[marker] = seq, touched, batch_id
-    return True
 
 
 def append_decoded(spark: SparkSession, path: str, frame: DataFrame, meta: dict) -> None:

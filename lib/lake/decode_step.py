@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class Decoding:
     schemas: Schemas
     dead_letters_upto: int | None = None  # the raw commit the last dead-letter append reached (read once)
     history: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one step at a time (the service's two threads)
 
 
 def decoding(conf: dict, schemas: Schemas | None = None) -> Decoding:
@@ -52,6 +54,11 @@ def run(conf: dict, spark: SparkSession, dec: Decoding | None = None) -> dict:
     """Decode the raw log's commits the bronze log lacks into it. Returns {'seq': the raw commit the bronze log
     holds now, 'commits': raw commits decoded, 'tables': {table: {events, tombstones, dead_letters}}}."""
     dec = dec or decoding(conf)
+    with dec.lock:  # two steps at once would append the same raw commits twice
+        return _run(conf, spark, dec)
+
+
+def _run(conf: dict, spark: SparkSession, dec: Decoding) -> dict:
     began = time.monotonic()
     raw_path, path = lake_paths.raw_path(conf), lake_paths.bronze_path(conf)
     result = {"seq": -1, "commits": 0, "tables": {}, "dead_letters": {}}

@@ -173,7 +173,7 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
                 stats["tables"].setdefault(name, {})["truncated_before"] = list(cuts[name][:2])
         touched = {spec.qualified for spec in mine} | set(cuts)
         if touched:
-            bronze_log.append(spark, path, functools.reduce(DataFrame.unionByName, logged), ctx.log_state, app,
+            raw_log.append(spark, path, functools.reduce(DataFrame.unionByName, logged), ctx.log_state, app,
                               batch_id, touched)
         phase("append")
         _fire("after_bronze", batch_id, ",".join(sorted(touched)))

@@ -12,11 +12,13 @@ silver step, so the bronze log, silver and the views read decoded rows as before
 
 from __future__ import annotations
 
+import json
+
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from lib.lake import decode, delta_io
+from lib.lake import bronze_log, decode, delta_io
 
 TRUNCATE_OP = "t"
 
@@ -49,6 +51,24 @@ def rows(framed: DataFrame, table: Column, query: str, batch_id: int) -> DataFra
               "_query": F.lit(query), "_batch_id": F.lit(batch_id).cast("long")}
     return framed.select(*[values[f.name].alias(f.name) if f.name in values else F.lit(None).cast(f.dataType)
                            .alias(f.name) for f in SCHEMA.fields if f.name != "_seq"])
+
+
+def append(spark: SparkSession, path: str, frame: DataFrame, log_state: bronze_log.State, marker: str, batch_id: int,
+           tables: set[str]) -> bool:
+    """Append frame as the log's next commit (its _seq), once per micro-batch; False when already there.
+
+    A micro-batch the log holds already (a retried batch after a crash past the commit) is not
+    appended again: its marker and batch id are in the commit's userMetadata.
+    """
+    if log_state.batches.get(marker, -1) >= batch_id:
+        return False
+    seq = log_state.seq + 1
+    touched = {**log_state.touched, **{table: seq for table in tables}}
+    meta = {"merge_batch": marker, "batch": batch_id, "seq": seq, "touched": touched}
+    frame.withColumn("_seq", F.lit(seq).cast("long")).write.format("delta").mode("append") \
+        .option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
+    log_state.seq, log_state.touched, log_state.batches[marker] = seq, touched, batch_id
+    return True
 
 
 def truncate_rows(spark: SparkSession, cuts: dict[str, tuple], query: str, batch_id: int) -> DataFrame:
@@ -85,8 +105,6 @@ def as_headers(raw: DataFrame) -> DataFrame:
 
 def bronze_truncates(raw: DataFrame) -> DataFrame:
     """The raw rows' truncates as bronze log rows (lib/lake/bronze_log.py's layout), their _seq kept."""
-    from lib.lake import bronze_log
-
     position = {"commit_lsn": F.col("_commit_lsn"), "event_serial": F.col("_event_serial"), "ts_ms": F.col("ts_ms")}
     source = F.struct(*[position.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
                         for f in decode.SOURCE_TYPE.fields])

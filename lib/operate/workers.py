@@ -287,7 +287,9 @@ class SilverCadence:
         self.seen = (None, time.monotonic())  # the newest bronze batch id, and when it was first seen
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="silver-cadence", daemon=True)
+        self.decoder = threading.Thread(target=self._decode, name="decode-cadence", daemon=True)
         self.thread.start()
+        self.decoder.start()
 
     def follow(self, ctx) -> None:
         """The bronze query's context whose batches count toward the threshold (a restarted query: its new one)."""
@@ -300,8 +302,25 @@ class SilverCadence:
                    if b["tables"] else int(b.get("input_rows", 0))  # over Spark Connect: the batch's Kafka records
                    for b in history if b["batch_id"] > self.done_batches)
 
+    def _decode(self) -> None:
+        """A decode step as soon as a trigger committed (beside a silver step that runs long: the fresh view reads
+        bronze, so its rows must not wait for silver's MERGEs)."""
+        from lib.lake import decode_step
+
+        while not self.stopping.wait(0.2) and self.failure is None:
+            history = list(self.ctx.history) if self.ctx is not None else []
+            newest = history[-1]["batch_id"] if history else self.decoded_batch
+            if newest == self.decoded_batch:
+                continue
+            try:
+                decode_step.run(self.conf, self.spark, self.progress.decoding)
+            except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
+                self.failure = exc
+                return
+            self.decoded_batch = newest
+
     def _run(self) -> None:
-        from lib.lake import decode_step, silver_step
+        from lib.lake import silver_step
 
         due = time.monotonic() + self.interval_s
         while not self.stopping.wait(0.2):
@@ -310,15 +329,7 @@ class SilverCadence:
             if newest != self.seen[0]:
                 self.seen = (newest, time.monotonic())
             if not self._due(due):
-                if newest != self.decoded_batch:  # a trigger committed: its records decoded into bronze now
-                    try:
-                        decode_step.run(self.conf, self.spark, self.progress.decoding)
-                    except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
-                        self.failure = exc
-                        return
-                    self.decoded_batch = newest
                 continue
-            self.decoded_batch = newest
             due = time.monotonic() + self.interval_s  # start to start: a step that ran long is not followed by a wait
             try:
                 done = silver_step.run(self.conf, self.spark, self.progress)
@@ -356,10 +367,11 @@ class SilverCadence:
                 "silver_applied": dict(self.progress.applied)}
 
     def stop(self) -> None:
-        """Let a running step finish, then end the thread."""
+        """Let a running step finish, then end the threads."""
         self.stopping.set()
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(float(config.get(self.conf, "service.stop_grace_s")))
+        for thread in (self.thread, self.decoder):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(float(config.get(self.conf, "service.stop_grace_s")))
 
 
 TRIGGER_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1.0, "second": 1.0,
