@@ -83,10 +83,12 @@ def start(conf: dict, spark, mode: str, folder: str):
         def function(frame, batch_id):
             micro_batch.process_batch(frame, batch_id, ctx)
     else:
+        ctx = None
         def function(frame, batch_id):
             batch_probe.raw_append(frame.sparkSession, frame, f"{folder}/raw", batch_id)
     query = reader.load().writeStream.queryName(f"trigger_probe_{mode}").foreachBatch(function) \
         .option("checkpointLocation", f"{folder}/checkpoints/{mode}").trigger(processingTime="1 second").start()
+    query.merge_context = ctx  # the shipped batches' records (their phases: read, control, append)
     deadline = time.monotonic() + 120
     while not query.recentProgress:  # records sent before the query found the topics' ends would be skipped
         if time.monotonic() > deadline or query.exception() is not None:
@@ -95,9 +97,10 @@ def start(conf: dict, spark, mode: str, folder: str):
     return query
 
 
-def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log) -> dict:
+def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log, conf: dict) -> dict:
     """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows)."""
     before = {p["batchId"] for p in query.recentProgress}
+    ends = bench_env.topic_ends(conf, topics)
     sent = 0
     for topic in topics:
         mine = saved[topic]
@@ -107,18 +110,25 @@ def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], 
             sent += 1
             if sent % 10_000 == 0:
                 producer.poll(0)
-    producer.flush(30)
+    left = producer.flush(30)
     deadline = time.monotonic() + 300
     while True:
         batches = [p for p in query.recentProgress if p["batchId"] not in before and p.get("numInputRows", 0) > 0]
         if sum(p["numInputRows"] for p in batches) >= sent:
             break
         if time.monotonic() > deadline or query.exception() is not None:
-            raise RuntimeError(f"the query read {sum(p['numInputRows'] for p in batches)} of {sent} records: "
-                               f"{query.exception()}")
+            now = bench_env.topic_ends(conf, topics)
+            landed = sum(now[t][p] - ends[t][p] for t in now for p in now[t])
+            raise RuntimeError(f"the query read {sum(p['numInputRows'] for p in batches)} of {sent} records "
+                               f"({landed} reached Kafka; unflushed {left}); its status {query.status}, last progress "
+                               f"{query.lastProgress}: {query.exception()}")
         time.sleep(0.2)
     seconds = round(sum(p["durationMs"]["triggerExecution"] for p in batches) / 1000, 2)
-    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s), {seconds} s")
+    ids = {p["batchId"] for p in batches}
+    history = query.merge_context.history if query.merge_context is not None else []
+    phases = [b["phases"] for b in history if b["batch_id"] in ids]
+    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s), {seconds} s"
+        + (f"; phases {phases}" if phases else ""))
     return {"tables": len(topics), "records": sent, "triggers": len(batches), "seconds": seconds}
 
 
@@ -145,13 +155,13 @@ def main(argv=None) -> None:
         for mode in args.modes:
             query = start(conf, spark, mode, folder)
             try:
-                burst(query, producer, saved, topics[:1], 1000, lambda line: None)  # the first builds plans
+                burst(query, producer, saved, topics[:1], 1000, lambda line: None, conf)  # the first builds plans
                 decoding = decode_step.decoding(conf)
                 if mode == "shipped":
                     decode_step.run(conf, spark, decoding)  # the first builds plans
                 for _ in range(args.reps):
                     for count in args.tables:
-                        row = {"mode": mode, **burst(query, producer, saved, topics[:count], args.records, print)}
+                        row = {"mode": mode, **burst(query, producer, saved, topics[:count], args.records, print, conf)}
                         if mode == "shipped":
                             row["decode"] = decode_step.run(conf, spark, decoding).get("seconds")
                             print(f"    decode step: {row['decode']} s")
