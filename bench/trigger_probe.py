@@ -106,7 +106,8 @@ def _rows(query, progress) -> int:
     return progress.get("numInputRows", 0)
 
 
-def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log, conf: dict) -> dict:
+def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log, conf: dict,
+          spark) -> dict:
     """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows)."""
     before = {p["batchId"] for p in query.recentProgress}
     ends = bench_env.topic_ends(conf, topics)
@@ -128,6 +129,13 @@ def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], 
         if time.monotonic() > deadline or query.exception() is not None:
             now = bench_env.topic_ends(conf, topics)
             landed = sum(now[t][p] - ends[t][p] for t in now for p in now[t])
+            if query.merge_context is not None:  # did the records reach the raw log all the same?
+                from pyspark.sql import functions as F
+
+                raw = spark.read.format("delta").load(lake_paths.raw_path(conf))
+                logged = raw.filter(F.col("_kafka_topic").isin(*topics)).groupBy("_batch_id").count().collect()
+                print(f"raw log rows of these topics by batch: {sorted(tuple(r) for r in logged)}; batches the "
+                      f"function recorded: {[(b['batch_id'], b.get('seq')) for b in query.merge_context.history]}")
             raise RuntimeError(f"the query read {sum(_rows(query, p) for p in batches)} of {sent} records "
                                f"({landed} reached Kafka; unflushed {left}); its status {query.status}, last progress "
                                f"{query.lastProgress}: {query.exception()}")
@@ -164,13 +172,15 @@ def main(argv=None) -> None:
         for mode in args.modes:
             query = start(conf, spark, mode, folder)
             try:
-                burst(query, producer, saved, topics[:1], 1000, lambda line: None, conf)  # the first builds plans
+                # the first builds plans
+                burst(query, producer, saved, topics[:1], 1000, lambda line: None, conf, spark)
                 decoding = decode_step.decoding(conf)
                 if mode == "shipped":
                     decode_step.run(conf, spark, decoding)  # the first builds plans
                 for _ in range(args.reps):
                     for count in args.tables:
-                        row = {"mode": mode, **burst(query, producer, saved, topics[:count], args.records, print, conf)}
+                        timed = burst(query, producer, saved, topics[:count], args.records, print, conf, spark)
+                        row = {"mode": mode, **timed}
                         if mode == "shipped":
                             row["decode"] = decode_step.run(conf, spark, decoding).get("seconds")
                             print(f"    decode step: {row['decode']} s")
