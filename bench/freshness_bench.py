@@ -24,6 +24,7 @@ holds it (its commit time, read with delta-rs at the end) -> the fresh query tha
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
@@ -211,36 +212,46 @@ def run(n: int, args, log) -> dict:
         bench_env.finish(conf, folder, spark, log=log)
 
 
-def stages(conf: dict, topic: str, committed: dict, arrived: dict, seen_fresh: dict) -> dict[str, list[float]]:
-    """Where each row's latency went: commit -> a Kafka consumer got it -> its bronze log commit -> a fresh
-    query returned it (the bronze log read once at the end with delta-rs; a commit's time from its history)."""
-    log_path = lake_paths.bronze_path(conf)
-    table = deltalake.DeltaTable(log_path)
-    at_seq = {}
-    for commit in table.history():
+def _commit_times(path: str) -> dict[int, float]:
+    """{seq: when the commit recording it was made} of a log's commits (delta-rs reads the history)."""
+    found = {}
+    for commit in deltalake.DeltaTable(path).history():
         try:
             meta = json.loads(commit.get("userMetadata") or "{}")
         except ValueError:
             continue
         if isinstance(meta, dict) and "seq" in meta:
-            at_seq[int(meta["seq"])] = commit["timestamp"] / 1000
-    rows = table.to_pyarrow_table(columns=["_kafka_topic", "_kafka_partition", "_kafka_offset", "_seq", "key"])
-    logged, key_of = {}, {}
+            found[int(meta["seq"])] = commit["timestamp"] / 1000
+    return found
+
+
+def stages(conf: dict, topic: str, committed: dict, arrived: dict, seen_fresh: dict) -> dict[str, list[float]]:
+    """Where each row's latency went: commit -> a Kafka consumer got it -> the trigger's raw log commit -> the decode
+    step's bronze log commit -> a fresh query returned it (the logs read once at the end with delta-rs; a commit's
+    time from its history; a decode step covers every raw commit up to the one it records)."""
+    at_raw = _commit_times(lake_paths.raw_path(conf))
+    decoded = sorted(_commit_times(lake_paths.bronze_path(conf)).items())
+    reached = [seq for seq, _ in decoded]
+    rows = deltalake.DeltaTable(lake_paths.bronze_path(conf)).to_pyarrow_table(
+        columns=["_kafka_topic", "_kafka_partition", "_kafka_offset", "_seq", "key"])
+    raw_at, logged, key_of = {}, {}, {}
     for r in rows.to_pylist():
         if r["_kafka_topic"] != topic:
             continue
         place = (r["_kafka_partition"], r["_kafka_offset"])
-        if r["_seq"] in at_seq:
-            logged[place] = at_seq[r["_seq"]]
+        step = bisect.bisect_left(reached, r["_seq"])
+        if r["_seq"] in at_raw and step < len(decoded):
+            raw_at[place], logged[place] = at_raw[r["_seq"]], decoded[step][1]
         if r["key"] is not None:  # the row's id, from the VARIANT key (value and metadata bytes)
             key_of[place] = VariantVal(r["key"]["value"], r["key"]["metadata"]).toPython()["id"]
-    legs: dict[str, list[float]] = {"commit -> Kafka": [], "Kafka -> bronze commit": [], "bronze commit -> query": [],
-                                    "Kafka -> query": []}
+    legs: dict[str, list[float]] = {"commit -> Kafka": [], "Kafka -> raw commit": [], "raw -> bronze commit": [],
+                                    "bronze commit -> query": [], "Kafka -> query": []}
     for place, row in key_of.items():
         if row not in committed or place not in arrived or place not in logged or row not in seen_fresh:
             continue
         legs["commit -> Kafka"].append(arrived[place] - committed[row])
-        legs["Kafka -> bronze commit"].append(logged[place] - arrived[place])
+        legs["Kafka -> raw commit"].append(raw_at[place] - arrived[place])
+        legs["raw -> bronze commit"].append(logged[place] - raw_at[place])
         legs["bronze commit -> query"].append(seen_fresh[row] - logged[place])
         legs["Kafka -> query"].append(seen_fresh[row] - arrived[place])
     return legs

@@ -1,5 +1,5 @@
-"""Probe: what one trigger of a running merge query pays as the tables it touches grow, decoded (as shipped) and
-undecoded (the raw records appended, the decode left to a later step).
+"""Probe: what one trigger of a running merge query pays as the tables it touches grow, as shipped (the records
+appended undecoded to the raw log; the decode step after the burst timed apart) and as a bare Delta append.
 
     .venv/bin/python bench/trigger_probe.py [--small 50] [--records 20000] [--reps 3] [--tables 1 10 51]
 
@@ -13,9 +13,14 @@ read them, so every burst carries the same work and only the tables it touches d
 cost is Spark's ``triggerExecution`` for the micro-batches that held them (a burst split over two triggers is
 counted as both). Modes:
 
-- **decoded**: the merge's foreachBatch function (``micro_batch.process_batch``: decode, one bronze log commit);
+- **shipped**: the merge's foreachBatch function (``micro_batch.process_batch``: one raw log commit, nothing
+  decoded), and after each burst the decode step that turns those records into the bronze log
+  (``decode_step.run``, which the service runs beside the query), timed on its own;
 - **raw**: the records with their framing read (schema ids, a tombstone's position) appended to a Delta table
-  as they came, which is what a trigger that leaves the decode to the silver step would pay.
+  as they came: the floor of an undecoded trigger.
+
+Until 2026-12-01 the trigger decoded (one ``from_avro`` per table and writer schema); this probe measured that as
+mode ``decoded`` at commit 70ccaeb (docs/benchmarks.md).
 
 Everything it made (database, slot, topics, lake) is removed at the end.
 """
@@ -39,7 +44,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from lib import config  # noqa: E402
 from lib import spark as spark_session  # noqa: E402
 from lib.capture import snapshot  # noqa: E402
-from lib.lake import lake_paths, merge, micro_batch  # noqa: E402
+from lib.lake import decode_step, lake_paths, merge, micro_batch  # noqa: E402
 
 
 def records(conf: dict, topics: list[str], per_table: int) -> dict[str, list]:
@@ -72,16 +77,18 @@ def start(conf: dict, spark, mode: str, folder: str):
     reader = spark.readStream.format("kafka")
     for key, value in options.items():
         reader = reader.option(key, value)
-    if mode == "decoded":
+    if mode == "shipped":
         ctx = micro_batch.context(conf, f"trigger-probe-{mode}", app_id=f"trigger-probe-{mode}")
 
         def function(frame, batch_id):
             micro_batch.process_batch(frame, batch_id, ctx)
     else:
+        ctx = None
         def function(frame, batch_id):
             batch_probe.raw_append(frame.sparkSession, frame, f"{folder}/raw", batch_id)
     query = reader.load().writeStream.queryName(f"trigger_probe_{mode}").foreachBatch(function) \
         .option("checkpointLocation", f"{folder}/checkpoints/{mode}").trigger(processingTime="1 second").start()
+    query.merge_context = ctx  # the shipped batches' records (their phases: read, control, append)
     deadline = time.monotonic() + 120
     while not query.recentProgress:  # records sent before the query found the topics' ends would be skipped
         if time.monotonic() > deadline or query.exception() is not None:
@@ -90,9 +97,20 @@ def start(conf: dict, spark, mode: str, folder: str):
     return query
 
 
-def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log) -> dict:
+def _rows(query, progress) -> int:
+    """The records a trigger read: the shipped function's own count (Spark's numInputRows was 0 for some triggers
+    that did read records, 2026-12-01: offsets advanced, no input rows reported), else Spark's."""
+    if query.merge_context is not None:
+        mine = [b for b in query.merge_context.history if b["batch_id"] == progress["batchId"]]
+        return sum(c.get("events", 0) + c.get("tombstones", 0) for b in mine for c in b["tables"].values())
+    return progress.get("numInputRows", 0)
+
+
+def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log, conf: dict,
+          spark) -> dict:
     """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows)."""
     before = {p["batchId"] for p in query.recentProgress}
+    ends = bench_env.topic_ends(conf, topics)
     sent = 0
     for topic in topics:
         mine = saved[topic]
@@ -102,18 +120,32 @@ def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], 
             sent += 1
             if sent % 10_000 == 0:
                 producer.poll(0)
-    producer.flush(30)
+    left = producer.flush(30)
     deadline = time.monotonic() + 300
     while True:
-        batches = [p for p in query.recentProgress if p["batchId"] not in before and p.get("numInputRows", 0) > 0]
-        if sum(p["numInputRows"] for p in batches) >= sent:
+        batches = [p for p in query.recentProgress if p["batchId"] not in before and _rows(query, p) > 0]
+        if sum(_rows(query, p) for p in batches) >= sent:
             break
         if time.monotonic() > deadline or query.exception() is not None:
-            raise RuntimeError(f"the query read {sum(p['numInputRows'] for p in batches)} of {sent} records: "
-                               f"{query.exception()}")
+            now = bench_env.topic_ends(conf, topics)
+            landed = sum(now[t][p] - ends[t][p] for t in now for p in now[t])
+            if query.merge_context is not None:  # did the records reach the raw log all the same?
+                from pyspark.sql import functions as F
+
+                raw = spark.read.format("delta").load(lake_paths.raw_path(conf))
+                logged = raw.filter(F.col("_kafka_topic").isin(*topics)).groupBy("_batch_id").count().collect()
+                print(f"raw log rows of these topics by batch: {sorted(tuple(r) for r in logged)}; batches the "
+                      f"function recorded: {[(b['batch_id'], b.get('seq')) for b in query.merge_context.history]}")
+            raise RuntimeError(f"the query read {sum(_rows(query, p) for p in batches)} of {sent} records "
+                               f"({landed} reached Kafka; unflushed {left}); its status {query.status}, last progress "
+                               f"{query.lastProgress}: {query.exception()}")
         time.sleep(0.2)
     seconds = round(sum(p["durationMs"]["triggerExecution"] for p in batches) / 1000, 2)
-    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s), {seconds} s")
+    ids = {p["batchId"] for p in batches}
+    history = query.merge_context.history if query.merge_context is not None else []
+    phases = [b["phases"] for b in history if b["batch_id"] in ids]
+    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s), {seconds} s"
+        + (f"; phases {phases}" if phases else ""))
     return {"tables": len(topics), "records": sent, "triggers": len(batches), "seconds": seconds}
 
 
@@ -123,7 +155,7 @@ def main(argv=None) -> None:
     parser.add_argument("--records", type=int, default=20_000, help="records in a burst, over the tables it touches")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 10, 51])
-    parser.add_argument("--modes", nargs="+", default=["decoded", "raw"], choices=["decoded", "raw"])
+    parser.add_argument("--modes", nargs="+", default=["shipped", "raw"], choices=["shipped", "raw"])
     args = parser.parse_args(argv)
     load_before = bench_env.machine()
     print(f"machine: {load_before}")
@@ -140,27 +172,41 @@ def main(argv=None) -> None:
         for mode in args.modes:
             query = start(conf, spark, mode, folder)
             try:
-                burst(query, producer, saved, topics[:1], 1000, lambda line: None)  # the first builds plans
+                # the first builds plans
+                burst(query, producer, saved, topics[:1], 1000, lambda line: None, conf, spark)
+                decoding = decode_step.decoding(conf)
+                if mode == "shipped":
+                    decode_step.run(conf, spark, decoding)  # the first builds plans
                 for _ in range(args.reps):
                     for count in args.tables:
-                        rows.append({"mode": mode, **burst(query, producer, saved, topics[:count], args.records,
-                                                           print)})
+                        timed = burst(query, producer, saved, topics[:count], args.records, print, conf, spark)
+                        row = {"mode": mode, **timed}
+                        if mode == "shipped":
+                            row["decode"] = decode_step.run(conf, spark, decoding).get("seconds")
+                            print(f"    decode step: {row['decode']} s")
+                        rows.append(row)
                         time.sleep(2)  # an idle trigger between bursts
             finally:
                 query.stop()
     finally:
         bench_env.finish(conf, folder, spark, log=print)
     print(f"\nmachine before: {load_before}; after: {bench_env.machine()}\n")
-    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | against the first |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | tables touched | records | triggers | seconds per burst (each rep) | median | against the first "
+          "| decode step after it (each rep) | median | against the first |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
-        first = None
+        first = first_decode = None
         for count in args.tables:
             mine = [r for r in rows if r["mode"] == mode and r["tables"] == count]
             median = statistics.median(r["seconds"] for r in mine)
             first = median if first is None else first
+            decodes = [r["decode"] for r in mine if r.get("decode") is not None]
+            decode = statistics.median(decodes) if decodes else None
+            first_decode = decode if first_decode is None else first_decode
+            decoded = (f"{', '.join(map(str, decodes))} | {decode} | {decode / first_decode:.1f}" if decodes
+                       else "- | - | -")
             print(f"| {mode} | {count} | {mine[0]['records']:,} | {', '.join(str(r['triggers']) for r in mine)} | "
-                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / first:.1f} |")
+                  f"{', '.join(str(r['seconds']) for r in mine)} | {median} | {median / first:.1f} | {decoded} |")
 
 
 if __name__ == "__main__":

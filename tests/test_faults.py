@@ -62,14 +62,15 @@ def test_kafka_killed_while_writing_keepers_wait_then_exact(matrix, monkeypatch)
 def test_a_table_creation_cut_short_is_cleared_and_a_committed_log_kept(tmp_path):
     """What disk_full found: a _delta_log with Delta's temporary file only is removed before the batch's writes (Delta
     would refuse to create the table there); a log with a commit stays."""
-    from lib.lake import micro_batch
+    from lib.lake import delta_io
 
     cut, kept = tmp_path / "cut" / "_delta_log", tmp_path / "kept" / "_delta_log"
     for log_dir in (cut, kept):
         (log_dir / "_staged_commits").mkdir(parents=True)
         (log_dir / ".00000000000000000000.json.4a985f6a.tmp").write_text("{")
     (kept / "00000000000000000000.json").write_text("{}")
-    micro_batch._clear_failed_creations([str(cut.parent), str(kept.parent), str(tmp_path / "absent")])
+    for path in (cut.parent, kept.parent, tmp_path / "absent"):
+        delta_io.clear_failed_creation(str(path))
     assert not cut.exists() and cut.parent.exists()
     assert sorted(p.name for p in kept.iterdir()) == [".00000000000000000000.json.4a985f6a.tmp",
                                                         "00000000000000000000.json", "_staged_commits"]

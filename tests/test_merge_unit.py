@@ -218,7 +218,8 @@ def run(unit_conf, spark_session):
     ctx, prog = micro_batch.context(conf, query="unit", app_id=app_id), silver_step.progress(conf)
     frame = lambda rows: spark.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
     stats = [micro_batch.process_batch(frame(batch0), 0, ctx)]
-    seq_after_0 = silver_step.run(conf, spark, prog)["seq"]
+    first = silver_step.run(conf, spark, prog)
+    seq_after_0 = first["seq"]
     items_after_0 = _rows(spark, conf, "items")
     control.put(conf, "truncate/unit.trunc", {"commit_lsn": 20, "event_serial": 0, "ts_ms": NOW_MS})
     stats.append(micro_batch.process_batch(frame(batch1), 1, ctx))
@@ -237,7 +238,7 @@ def run(unit_conf, spark_session):
             "versions_after_retry": versions_after_retry, "silver_after_1": silver_after_1,
             "silver_after_retry": silver_after_retry, "silver_after_repeat": _silver_rows(spark, conf),
             "items_id": items.value_id,
-            "items_after_0": items_after_0}
+            "items_after_0": items_after_0, "decoded_0": first["decoded"]}
 
 
 def _versions(spark, conf) -> dict:
@@ -312,7 +313,8 @@ def test_unchanged_toast_keeps_the_stored_value(items):
 def test_unknown_toast_on_insert_is_marked(run):
     five = run["items_after_0"][5]
     assert (five["name"], five["big"], five["_unknown_cols"]) == ("five", None, ["big"])
-    assert run["stats"][0]["tables"]["unit.items"] == {"events": 13, "tombstones": 1, "dead_letters": 6}
+    assert run["stats"][0]["tables"]["unit.items"] == {"events": 19, "tombstones": 1}  # the trigger: records
+    assert run["decoded_0"]["tables"]["unit.items"] == {"events": 13, "tombstones": 1, "dead_letters": 6}
 
 
 def test_schema_versions_in_one_batch_and_a_reverted_schema(run):
@@ -331,7 +333,7 @@ def test_truncate_from_the_control_topic(run):
 def test_poison_goes_to_the_dead_letter_table_and_good_rows_still_merge(run, items):
     counts = {(r["reason"]): r["messages"] for r in browse.dead_letter_counts(run["conf"], run["spark"]).collect()}
     assert counts == {"not_framed": 3, "unknown_schema_id": 1, "undecodable": 1, "null_key": 1}
-    assert run["stats"][0]["dead_letters"] == counts
+    assert run["decoded_0"]["dead_letters"] == counts  # the decode step set them aside, not the trigger
     dead = run["spark"].read.format("delta").load(lake_paths.dead_letter_path(run["conf"])) \
         .filter("reason = 'undecodable'").collect()[0]
     assert dead["value"].endswith(b"\xff\xff\xff") and dead["value_schema_id"] == run["items_id"]
@@ -485,35 +487,44 @@ def test_an_event_whose_schema_id_arrives_late_is_merged_after_waiting(unit_conf
     later, schema_id = _later_version(items, registry, "late_a")
     rows = Feed().rows(items.topic, [later.event("c", 301, 3010, name="late", late_a="x")])
     ctx = micro_batch.context(conf, query="late", app_id=f"late-{uuid.uuid4().hex[:6]}")
+    micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0, ctx)  # the trigger: bytes only
     watching = _Watching(registry, schema_id)
-    ctx.schemas = writer_schemas.Schemas(conf, client=watching)
+    prog = silver_step.progress(conf)
+    prog.decoding.schemas = writer_schemas.Schemas(conf, client=watching)
 
     def register_once_asked():
-        assert watching.asked.wait(120), "the merge never asked for the schema id"
+        assert watching.asked.wait(120), "the decode step never asked for the schema id"
         _register(later, registry, schema_id)
 
     registering = threading.Thread(target=register_once_asked)
     registering.start()
-    stats = micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0, ctx)
+    step = silver_step.run(conf, spark_session, prog)
     registering.join()
-    assert stats["dead_letters"] == {}
-    silver_step.run(conf, spark_session)
+    assert step["decoded"]["dead_letters"] == {} and step["decoded"]["tables"]["unit.items"]["events"] == 1
     row = _rows(spark_session, conf, "items")[301]
     assert (row["name"], row["late_a"]) == ("late", "x")
 
 
-def test_a_schema_id_never_served_fails_the_batch_naming_topic_offset_and_id(unit_conf, spark_session):
+def test_a_schema_id_never_served_stops_the_decode_step_naming_topic_offset_and_id(unit_conf, spark_session):
     conf = config.apply_overrides(unit_conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "fail",
-                                              "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "1"})
+                                              "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "1", "CDC__LAKE__ROOT": str(
+        Path(config.get(unit_conf, "lake.root")) / f"never-{uuid.uuid4().hex[:6]}")})
     items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
     framed = b"\x00" + (2_000_000_001).to_bytes(4, "big") + b"\x02"
     rows = Feed().rows(items.topic, [items.event("c", 310, 3100, name="ok"), (items.key_bytes(311), framed)])
+    micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                              micro_batch.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
     with pytest.raises(lake_paths.MergeError, match=rf"topic {items.topic} .*schema id\(s\) 2000000001 .*partition 0 "
-                       r"offset 1.*unknown_schema_ids: dead_letter"):
-        micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
-                                  micro_batch.context(conf, query="never", app_id=f"never-{uuid.uuid4().hex[:6]}"))
-    silver_step.run(conf, spark_session)
-    assert 310 not in _rows(spark_session, conf, "items")  # nothing of the failed batch was written
+                       r"offset 1.*nothing is lost.*unknown_schema_ids: dead_letter"):
+        silver_step.run(conf, spark_session)
+    spec = lake_paths.table_specs(conf)[0]
+    assert not delta_io.is_table(spark_session, lake_paths.silver_path(conf, spec))  # nothing was applied...
+    raw = spark_session.read.format("delta").load(lake_paths.raw_path(conf)).filter("_table = 'unit.items'")
+    assert sorted(r["_kafka_offset"] for r in raw.collect()) == [0, 1]  # ...and nothing lost: the raw log holds both
+    aside = config.apply_overrides(conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "dead_letter"})
+    step = silver_step.run(aside, spark_session)  # the remedy named: set it aside, merge the rest
+    assert step["decoded"]["dead_letters"] == {"unknown_schema_id": 1}
+    assert _rows(spark_session, conf, "items")[310]["name"] == "ok"
 
 
 class _Forgetting(_Watching):

@@ -194,15 +194,16 @@ def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_on
     steps then instead of at the next interval (60 s); not while a long batch runs, nor with nothing pending."""
     from types import SimpleNamespace
 
-    from lib.lake import silver_step
+    from lib.lake import decode_step, silver_step
 
-    starts = []
+    starts, decodes = [], []
 
     def step(conf, spark, prog):
         starts.append(time.monotonic())
         return {"seq": len(starts), "tables": {"bank.customers": {"events": 5}}, "seconds": 0.0}
 
     monkeypatch.setattr(silver_step, "run", step)
+    monkeypatch.setattr(decode_step, "run", lambda conf, spark, dec: decodes.append(time.monotonic()))
     conf = config.apply_overrides(config.load("local"), {"CDC__MERGE__SILVER_INTERVAL_S": "60",
                                                          "CDC__SERVICE__MERGE_INTERVAL": "1 second"})
     cadence = workers.SilverCadence(conf, None, log=lambda line: None)
@@ -222,6 +223,7 @@ def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_on
         cadence.stopping.set()
         cadence.thread.join(5)
     assert len(starts) == 1 and 1.8 <= starts[0] - logged <= 2.8, [round(t - logged, 2) for t in starts]
+    assert len(decodes) == 2 and decodes[1] - logged < 1.0, decodes  # each trigger decoded at once, not at the step
     assert cadence.changes == 1 and cadence.record()["silver_pending_events"] == 0
 
 

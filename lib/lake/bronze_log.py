@@ -1,15 +1,17 @@
-"""Bronze: one Delta change log for every table of a pipeline, appended once per trigger.
+"""Bronze: one Delta change log for every table of a pipeline, appended once per decode step.
 
-Each row is one event (or tombstone, or truncate) as the merge decoded it: the table it belongs to, the
-key and the row images as VARIANT (each table has its own columns; one log holds them all, so a trigger
-costs one commit however many tables it touches), the envelope's source and transaction, the Kafka
-coordinates and ``_seq``, the number of the log commit that added it (0, 1, 2, ... in commit order).
-Silver applies the log per table on its own cadence and records in its own commit the ``_seq`` it
-applied up to (lib/lake/silver_step.py); the fresh view adds the log's newer rows to silver.
+Each row is one event (or tombstone, or truncate) as the decode step (lib/lake/decode_step.py) decoded it from
+the raw log (lib/lake/raw_log.py): the table it belongs to, the key and the row images as VARIANT (each table has
+its own columns; one log holds them all, so a step costs one commit however many tables it covers), the
+envelope's source and transaction, the Kafka coordinates and ``_seq``, the number of the raw log commit that
+brought it (0, 1, 2, ... in commit order). Silver applies the log per table on its own cadence and records in
+its own commit the ``_seq`` it applied up to (lib/lake/silver_step.py); the fresh view adds the log's newer rows
+to silver.
 
-Each commit's ``userMetadata`` holds {"merge_batch": <query id>, "batch": <micro-batch id>, "seq": <_seq>,
-"touched": {table: the last _seq holding one of its events}}: a retried micro-batch finds its commit and
-adds nothing, and a reader learns which tables have events silver has not applied, without a scan.
+Each commit's ``userMetadata`` holds {"merge_batch": "decode", "batch": <raw _seq reached>, "seq": <the same>,
+"touched": {table: the last _seq holding one of its events}}: a repeated step starts after it, and a reader
+learns which tables have events silver has not applied, without a scan. (The raw log's commits carry the same
+keys, with the query and micro-batch that wrote them.)
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ PER_TABLE = ("_table", "key", "op", "before", "after", "source", "ts_ms", "trans
 
 
 def log_columns(table: str, tag: str, reason: Column, detail: Column) -> dict[str, Column]:
-    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout (no _batch_id, _seq yet),
+    """A table's decoded rows (lib/lake/decode.py, names with ``tag``) in the log's layout, their raw commit's _seq,
     plus why a row cannot be merged (reason, detail: dead letters, with their raw __k and __v), by column name."""
     env = F.col(f"__env{tag}")
     return {
@@ -70,8 +72,8 @@ def log_columns(table: str, tag: str, reason: Column, detail: Column) -> dict[st
         "_tombstone_lsn": F.col("__tlsn"), "_tombstone_serial": F.col("__tserial"),
         "_kafka_topic": F.col("topic"), "_kafka_partition": F.col("partition"), "_kafka_offset": F.col("offset"),
         "_kafka_timestamp": F.col("timestamp"), "_key_schema_id": F.col("__kid"), "_value_schema_id": F.col("__vid"),
-        "__reason": reason, "__detail": detail,
-        "__k": F.col("__k"), "__v": F.col("__v")}
+        "__reason": reason, "__detail": detail, "_batch_id": F.col("_batch_id"), "_seq": F.col("_seq"),
+        "_query": F.col("_query"), "__k": F.col("__k"), "__v": F.col("__v")}
 
 
 def rows_of_tables(decoded: DataFrame, tables: list[tuple[Column, dict[str, Column]]]) -> DataFrame:
@@ -94,7 +96,7 @@ def rows_of_tables(decoded: DataFrame, tables: list[tuple[Column, dict[str, Colu
 
 def good(combined: DataFrame) -> DataFrame:
     """The rows of rows_of_tables that go to the log."""
-    return combined.filter(F.col("__reason").isNull()).select(*[f.name for f in SCHEMA.fields if f.name != "_seq"])
+    return combined.filter(F.col("__reason").isNull()).select(*SCHEMA.fieldNames())
 
 
 def truncates(spark: SparkSession, path: str) -> dict[str, tuple]:
@@ -103,22 +105,6 @@ def truncates(spark: SparkSession, path: str) -> dict[str, tuple]:
         F.max_by(F.struct(F.col("source.commit_lsn").alias("l"), F.col("source.event_serial").alias("s"),
                           F.col("ts_ms").alias("t")), F.col("_seq")).alias("c")).collect()
     return {row["_table"]: (row["c"]["l"], row["c"]["s"], row["c"]["t"]) for row in found}
-
-
-def truncate_rows(spark: SparkSession, cuts: dict[str, tuple], batch_id: int) -> DataFrame:
-    """One 't' row per table truncated since the last batch: {table: (commit_lsn, event_serial, ts_ms)}."""
-    source = [f.name for f in decode.SOURCE_TYPE.fields]
-    frames = []
-    for table, (lsn, serial, ts) in sorted(cuts.items()):
-        values = {name: None for name in source}
-        values.update(commit_lsn=int(lsn), event_serial=int(serial), ts_ms=int(ts) if ts is not None else None)
-        frames.append((table, TRUNCATE_OP, tuple(values[name] for name in source), values["ts_ms"], batch_id))
-    frame = spark.createDataFrame(frames, T.StructType([
-        T.StructField("_table", T.StringType()), T.StructField("op", T.StringType()),
-        T.StructField("source", decode.SOURCE_TYPE), T.StructField("ts_ms", T.LongType()),
-        T.StructField("_batch_id", T.LongType())]))
-    return frame.select(*[F.col(f.name) if f.name in frame.columns else F.lit(None).cast(f.dataType).alias(f.name)
-                          for f in SCHEMA.fields if f.name != "_seq"])
 
 
 def state(spark: SparkSession, path: str) -> State:
@@ -143,22 +129,9 @@ def _metadata(text: str | None) -> dict | None:
     return meta if isinstance(meta, dict) and "seq" in meta and "merge_batch" in meta else None
 
 
-def append(spark: SparkSession, path: str, frame: DataFrame, log_state: State, marker: str, batch_id: int,
-           tables: set[str]) -> bool:
-    """Append frame as the log's next commit (its _seq), once per micro-batch; False when already there.
-
-    A micro-batch the log holds already (a retried batch after a crash past the commit) is not
-    appended again: its marker and batch id are in the commit's userMetadata.
-    """
-    if log_state.batches.get(marker, -1) >= batch_id:
-        return False
-    seq = log_state.seq + 1
-    touched = {**log_state.touched, **{table: seq for table in tables}}
-    meta = {"merge_batch": marker, "batch": batch_id, "seq": seq, "touched": touched}
-    frame.withColumn("_seq", F.lit(seq).cast("long")).write.format("delta").mode("append") \
-        .option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
-    log_state.seq, log_state.touched, log_state.batches[marker] = seq, touched, batch_id
-    return True
+def append_decoded(spark: SparkSession, path: str, frame: DataFrame, meta: dict) -> None:
+    """Append a decode step's rows (each keeps its raw log _seq) as one commit carrying meta (lib/lake/decode_step)."""
+    frame.write.format("delta").mode("append").option("userMetadata", json.dumps(meta, sort_keys=True)).save(path)
 
 
 def pending_slice(spark: SparkSession, path: str, after: dict[str, int], upto_seq: int) -> DataFrame:

@@ -1,5 +1,5 @@
 """The dead-letter table: messages the merge cannot decode, with their raw bytes and why; appended once per
-micro-batch and replayed by merge.replay_dead_letters once they decode."""
+decode step (lib/lake/decode_step.py) and replayed by merge.replay_dead_letters once they decode."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ SCHEMA = T.StructType([
     T.StructField("ingested_at", T.TimestampType())])
 
 
-def rows(combined: DataFrame, query: str) -> DataFrame:
+REPLAY_PREFIX = "replay-dead-letters-"  # the query name of merge.replay_dead_letters' records in the raw log
+
+
+def rows(combined: DataFrame) -> DataFrame:
     """The rows with a reason (lib/lake/bronze_log.py rows_of_tables) in the dead-letter layout."""
     return combined.filter(F.col("__reason").isNotNull()).select(
         F.col("_kafka_topic").alias("topic"), F.col("_kafka_partition").alias("partition"),
@@ -25,4 +28,4 @@ def rows(combined: DataFrame, query: str) -> DataFrame:
         F.col("__k").alias("key"), F.col("__v").alias("value"), F.col("__reason").alias("reason"),
         F.col("__detail").alias("detail"), F.col("_key_schema_id").alias("key_schema_id"),
         F.col("_value_schema_id").alias("value_schema_id"), F.col("_batch_id").alias("batch_id"),
-        F.lit(query).alias("query"), F.current_timestamp().alias("ingested_at"))
+        F.col("_query").alias("query"), F.current_timestamp().alias("ingested_at"))

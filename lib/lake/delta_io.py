@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
 
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
+from lib import config
 from lib.lake.lake_paths import quote
+
+log = logging.getLogger(__name__)
 
 COMMIT_FILE = re.compile(r"\d{20}\.json")  # a commit in _delta_log (not a checkpoint, .crc or compacted range)
 
@@ -29,6 +34,24 @@ def ensure_table(spark: SparkSession, path: str, schema: T.StructType, stats_col
     columns = ", ".join(f"{quote(f.name)} {sql_type(f.dataType)}" for f in schema.fields)
     options = ", ".join(f"{literal(k)} = {literal(v)}" for k, v in props.items())
     spark.sql(f"CREATE TABLE IF NOT EXISTS delta.{quote(path)} ({columns}) USING delta TBLPROPERTIES ({options})")
+
+
+def clear_failed_creation(path: str) -> None:
+    """Remove the _delta_log of a local table whose creation failed before its first commit (a full disk).
+
+    Such a log holds no commit, only Delta's temporary file, and Delta then refuses to create the table there
+    (DELTA_TABLE_NOT_FOUND) on every retry, so the merge could not recover by itself once space was back. Only a
+    log without any commit, checkpoint or staged commit is removed; remote paths are left alone.
+    """
+    log_dir = os.path.join(path, "_delta_log")
+    if config.is_remote(path) or not os.path.isdir(log_dir):
+        return
+    entries = [name for name in os.listdir(log_dir) if not name.startswith(".")]
+    staged = os.path.join(log_dir, "_staged_commits")
+    if set(entries) <= {"_staged_commits"} and not (os.path.isdir(staged) and os.listdir(staged)):
+        log.warning("merge: %s holds no commit (its creation failed, e.g. on a full disk): removing it so the table "
+                    "is created again", log_dir)
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def sql_type(datatype: T.DataType) -> str:

@@ -64,6 +64,11 @@ def bronze_path(conf: dict) -> str:
     return lake_path(conf, "bronze", "_log")
 
 
+def raw_path(conf: dict) -> str:
+    """<lake.root>/bronze/_raw: every table's Kafka records as the trigger appended them (lib/lake/raw_log.py)."""
+    return lake_path(conf, "bronze", "_raw")
+
+
 def silver_path(conf: dict, spec: TableSpec) -> str:
     """<lake.root>/silver/<schema>/<table> (catalog.path_segment: a name can never leave its folder)."""
     return lake_path(conf, "silver", catalog.path_segment(spec.schema), catalog.path_segment(spec.name))

@@ -14,7 +14,7 @@ from pyspark.sql import DataFrame, SparkSession
 from lib import config, control, kafka_client, secrets
 from lib import spark as spark_session
 from lib.capture import incremental
-from lib.lake import delta_io, lake_paths, micro_batch, silver_step, silver_table
+from lib.lake import dead_letter, decode_step, delta_io, lake_paths, micro_batch, silver_step, silver_table
 from lib.lake.lake_paths import MergeError, query_name
 
 log = logging.getLogger(__name__)
@@ -40,23 +40,27 @@ def replay_dead_letters(conf: dict, spark: SparkSession) -> dict:
         return {"replayed": 0}
     digest = hashlib.sha256(",".join(sorted(f"{r['topic']}/{r['partition']}/{r['offset']}" for r in rows))
                             .encode()).hexdigest()[:12]
-    query = f"replay-dead-letters-{digest}"  # the same letters replayed again: their appends are found and skipped
-    replay_conf = config.apply_overrides(conf, {"CDC__MERGE__UNKNOWN_SCHEMA_IDS": "dead_letter",
-                                                "CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "0"})
+    query = f"{dead_letter.REPLAY_PREFIX}{digest}"  # the same letters replayed again: their append is found, skipped
+    replay_conf = config.apply_overrides(conf, {"CDC__MERGE__UNKNOWN_SCHEMA_WAIT_S": "0"})
     frame = spark.createDataFrame(rows, letters.schema)
     stats = micro_batch.process_batch(frame, 0, micro_batch.context(replay_conf, query=query, app_id=query))
-    silver_step.run(conf, spark)
+    # the decode step sets what still does not decode aside again, under this query's name (an unknown writer id
+    # too, whatever merge.unknown_schema_ids says: lib/lake/decode_step.py), and silver applies the rest
+    step = silver_step.run(replay_conf, spark)
     replayed = f"cdc_replayed_{digest}"  # SQL rather than the DeltaTable API: it runs over Spark Connect too
     frame.select("topic", "partition", "offset").createOrReplaceTempView(replayed)
     try:
+        still = spark.sql(f"SELECT count(DISTINCT d.`topic`, d.`partition`, d.`offset`) AS n "
+                          f"FROM delta.{lake_paths.quote(path)} AS d JOIN {replayed} AS r ON d.`topic` = r.`topic` "
+                          f"AND d.`partition` = r.`partition` AND d.`offset` = r.`offset` "
+                          f"WHERE d.`query` = {delta_io.literal(query)}").first()["n"]
         spark.sql(f"MERGE INTO delta.{lake_paths.quote(path)} AS d USING {replayed} AS r ON d.`topic` = r.`topic` "
                   f"AND d.`partition` = r.`partition` AND d.`offset` = r.`offset` AND d.`query` <> "
                   f"{delta_io.literal(query)} WHEN MATCHED THEN DELETE")
     finally:
         spark.catalog.dropTempView(replayed)
-    still = sum(stats.get("dead_letters", {}).values())
     log.info("replayed %s dead letter(s): %s merged, %s still dead letters", len(rows), len(rows) - still, still)
-    return {**stats, "replayed": len(rows) - still, "still_dead": still}
+    return {**stats, "decoded": step.get("decoded"), "replayed": len(rows) - still, "still_dead": still}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +190,8 @@ def restart_reason(exc: BaseException, batches: int) -> str:
 
 
 def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, silver: bool = True) -> dict:
-    """Run the merge with availableNow until every topic is in bronze, then a silver step; batches and counts.
+    """Run the merge with availableNow until every topic is in the raw log, then a silver step (which decodes it into
+    bronze first); batches and counts.
 
     A failing batch raises MergeError naming the batch and the cause (the checkpoint keeps the
     batch, so the next run retries it; its Delta commits are idempotent). When Spark itself stops
@@ -229,8 +234,13 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, s
         finally:
             if query.isActive:
                 query.stop()
-    # a catch-up ends with silver holding everything bronze got (silver=False: bronze only, the fresh view has it)
-    applied = silver_step.run(conf, spark) if silver else {"seq": None, "tables": {}}
+    # a catch-up ends with the raw log decoded into bronze and silver holding all of it (silver=False: bronze only,
+    # the fresh view has it)
+    if silver:
+        applied = silver_step.run(conf, spark)
+    else:
+        decoded = decode_step.run(conf, spark)
+        applied = {"seq": decoded["seq"], "tables": {}, "decoded": decoded}
     if cleanup:
         silver_table.cleanup_tombstones(conf, spark)
     totals: dict[str, int] = {}
@@ -239,6 +249,8 @@ def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, s
             for key, value in counts.items():
                 if isinstance(value, int):
                     totals[key] = totals.get(key, 0) + value
+    decoded = applied.get("decoded") or {}
+    totals["dead_letters"] = sum((decoded.get("dead_letters") or {}).values())  # set aside by the decode step
     return {"query": name, "batches": len(history), **totals, "batch_seconds": [b.get("seconds") for b in history],
             "batch_phases": [b.get("phases") for b in history],
             "bronze_seq": applied["seq"], "silver_tables": len(applied["tables"]), "silver_s": applied.get("seconds")}

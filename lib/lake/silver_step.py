@@ -1,5 +1,7 @@
 """Silver on its own cadence: each table's bronze log events it has not applied, in one position-guarded MERGE.
 
+A step first decodes the raw log's commits the bronze log lacks (lib/lake/decode_step.py).
+
 A step reads the log's state (its last commit, and per table the last commit holding one of its events),
 and for every table whose events silver has not applied yet MERGEs the log rows after silver's recorded
 commit up to that last one. The MERGE's own commit records the log commit it reached (userMetadata
@@ -21,7 +23,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from lib import config
-from lib.lake import bronze_log, delta_io, lake_paths, micro_batch, silver_table, writer_schemas
+from lib.lake import bronze_log, decode_step, delta_io, lake_paths, micro_batch, silver_table, writer_schemas
 from lib.lake.lake_paths import MergeError, quote
 
 log = logging.getLogger(__name__)
@@ -41,11 +43,13 @@ class Progress:
     last_compaction: float = field(default_factory=time.monotonic)
     history: list[dict] = field(default_factory=list)
     sessions: list = field(default_factory=list)  # sessions of their own for MERGEs side by side
+    decoding: decode_step.Decoding | None = None  # the decode step's cache (its registry client shared)
 
 
 def progress(conf: dict) -> Progress:
     """A new Progress for conf (read from the tables on first use)."""
-    return Progress(conf=conf, schemas=writer_schemas.Schemas(conf))
+    schemas = writer_schemas.Schemas(conf)
+    return Progress(conf=conf, schemas=schemas, decoding=decode_step.decoding(conf, schemas))
 
 
 def pending(spark: SparkSession, prog: Progress, log_state: bronze_log.State | None = None) -> dict[str, int]:
@@ -90,20 +94,24 @@ def _applied(spark: SparkSession, prog: Progress, spec) -> int:
 
 
 def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: list[str] | None = None) -> dict:
-    """Bring silver up to the bronze log for every table (or those named) that has events it has not applied.
+    """Decode the raw log's new commits into the bronze log, then bring silver up to it for every table (or those
+    named) that has events it has not applied.
 
-    Returns {'seq': the log commit reached, 'tables': {table: {'events': n, 'seconds': s}}}.
+    Returns {'seq': the log commit reached, 'tables': {table: {'events': n, 'seconds': s}}, 'decoded': the decode
+    step's counts}.
     """
     prog = prog or progress(conf)
     began = time.monotonic()
     path = lake_paths.bronze_path(conf)
     result = {"seq": -1, "tables": {}, "phases": {}}
+    result["decoded"] = decode_step.run(conf, spark, prog.decoding)
+    result["phases"]["decode"] = round(time.monotonic() - began, 2)
     if not delta_io.is_table(spark, path):
         return result
     state = bronze_log.state(spark, path)
     result["seq"] = state.seq
     _read_applied(spark, prog, [spec for spec in lake_paths.table_specs(conf) if spec.qualified in state.touched])
-    result["phases"]["state"] = round(time.monotonic() - began, 2)
+    result["phases"]["state"] = round(time.monotonic() - began - result["phases"]["decode"], 2)
     behind = [spec for spec in lake_paths.table_specs(conf) if (tables is None or spec.qualified in tables)
               and state.touched.get(spec.qualified, -1) > _applied(spark, prog, spec)]
     if behind:
@@ -113,7 +121,8 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
                                            state.seq).persist()
         try:
             counted = _counted(pending, {s.qualified: s.topic for s in behind})
-            result["phases"]["slice"] = round(time.monotonic() - began - result["phases"]["state"], 2)
+            result["phases"]["slice"] = round(time.monotonic() - began - result["phases"]["state"]
+                                              - result["phases"]["decode"], 2)
             for spec, done in _side_by_side(spark, prog, behind, lambda session, spec: _step_table(
                     session, prog, spec, state.seq, pending, counted.get(spec.qualified), cuts)):
                 result["tables"][spec.qualified] = done

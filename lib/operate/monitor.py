@@ -189,10 +189,12 @@ def kafka_lag(conf: dict) -> dict[str, dict]:
 
 
 def bronze_touched(conf: dict, spark=None) -> dict[str, int]:
-    """Per table: the newest bronze log commit (_seq) holding one of its events; read from the Delta log."""
+    """Per table: the newest raw log commit (_seq) holding one of its records (the bronze log's, for a lake from
+    before the raw log); read from the Delta log."""
     from lib.lake import delta_io
 
-    log_meta = delta_io.newest_metadata(spark, lake_paths.bronze_path(conf), "seq") or {}
+    log_meta = delta_io.newest_metadata(spark, lake_paths.raw_path(conf), "seq") \
+        or delta_io.newest_metadata(spark, lake_paths.bronze_path(conf), "seq") or {}
     return {table: int(seq) for table, seq in (log_meta.get("touched") or {}).items()}
 
 

@@ -202,12 +202,12 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                     merge.refresh(query)  # over Spark Connect: its batches from Spark's progress (else nothing)
                     if time.monotonic() - last >= every:
                         last = time.monotonic()
-                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record(),
+                        metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence), **cadence.record(),
                                                        "waiting_for": waits.now(ctx, query)})
                         _renew_lease(conf, "merge", log)
             finally:
                 _stop_query(query, float(config.get(conf, "service.stop_grace_s")), log)
-            metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence.changes), **cadence.record()})
+            metrics.record(conf, "merge", {**tally.tick(ctx, log, cadence), **cadence.record()})
             if stop():
                 cadence.stop()
                 _drop_lease(conf, "merge")
@@ -266,8 +266,9 @@ class MergeWaits:
 
 
 class SilverCadence:
-    """The merge service's silver steps (lib/lake/silver_step.py) in a thread of their own, beside the bronze
-    query: every merge.silver_interval, sooner once a table's pending events pass merge.silver_pending_events,
+    """The merge service's decode and silver steps in a thread of their own, beside the bronze query: a decode step
+    (lib/lake/decode_step.py) as soon as a trigger committed, a silver step (lib/lake/silver_step.py) every
+    merge.silver_interval, sooner once a table's pending events pass merge.silver_pending_events,
     and as soon as the bronze query has caught up (no micro-batch running, none for two triggers) with events
     pending: the end of a burst does not wait for the next interval."""
 
@@ -282,14 +283,17 @@ class SilverCadence:
         self.ctx = None
         self.steps, self.changes, self.failure, self.last = 0, 0, None, None  # changes: steps that applied events
         self.done_batches = -1  # the bronze batch id the last step started after
+        self.decoded_batch = -1  # the bronze batch id the last decode step (or silver step) started after
         self.seen = (None, time.monotonic())  # the newest bronze batch id, and when it was first seen
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="silver-cadence", daemon=True)
+        self.decoder = threading.Thread(target=self._decode, name="decode-cadence", daemon=True)
         self.thread.start()
+        self.decoder.start()
 
     def follow(self, ctx) -> None:
         """The bronze query's context whose batches count toward the threshold (a restarted query: its new one)."""
-        self.ctx, self.done_batches = ctx, -1
+        self.ctx, self.done_batches, self.decoded_batch = ctx, -1, -1
 
     def _pending_events(self) -> int:
         """Events the bronze query logged since the last step began (its batches' counts)."""
@@ -297,6 +301,23 @@ class SilverCadence:
         return sum(sum(int(c.get("events", 0)) + int(c.get("tombstones", 0)) for c in b["tables"].values())
                    if b["tables"] else int(b.get("input_rows", 0))  # over Spark Connect: the batch's Kafka records
                    for b in history if b["batch_id"] > self.done_batches)
+
+    def _decode(self) -> None:
+        """A decode step as soon as a trigger committed (beside a silver step that runs long: the fresh view reads
+        bronze, so its rows must not wait for silver's MERGEs)."""
+        from lib.lake import decode_step
+
+        while not self.stopping.wait(0.2) and self.failure is None:
+            history = list(self.ctx.history) if self.ctx is not None else []
+            newest = history[-1]["batch_id"] if history else self.decoded_batch
+            if newest == self.decoded_batch:
+                continue
+            try:
+                decode_step.run(self.conf, self.spark, self.progress.decoding)
+            except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
+                self.failure = exc
+                return
+            self.decoded_batch = newest
 
     def _run(self) -> None:
         from lib.lake import silver_step
@@ -346,10 +367,11 @@ class SilverCadence:
                 "silver_applied": dict(self.progress.applied)}
 
     def stop(self) -> None:
-        """Let a running step finish, then end the thread."""
+        """Let a running step finish, then end the threads."""
         self.stopping.set()
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(float(config.get(self.conf, "service.stop_grace_s")))
+        for thread in (self.thread, self.decoder):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(float(config.get(self.conf, "service.stop_grace_s")))
 
 
 TRIGGER_UNITS = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "s": 1.0, "second": 1.0,
@@ -399,11 +421,13 @@ class _MergeTally:
         self.last: dict[int, int] = {}  # id(merge context) -> last batch id counted (each query start has its own)
         self.positions: dict[str, int | None] = {}
         self.silver_changes = 0
+        self.decoded_at = time.time()  # the newest decode step counted (the table's dead letters above: before it)
         self.at = time.monotonic()
 
-    def tick(self, ctx, log, silver_changes: int = 0) -> dict:
+    def tick(self, ctx, log, cadence: SilverCadence) -> dict:
         """One history record: the batches finished since the last tick, Kafka lag, silver's positions when a
-        silver step applied events since (silver_changes: how many steps did so far)."""
+        silver step applied events since, the dead letters the decode steps set aside (lib/lake/decode_step.py)."""
+        silver_changes, decodes = cadence.changes, list(cadence.progress.decoding.history)
         now = time.monotonic()
         interval = max(now - self.at, 1e-9)
         self.at = now
@@ -416,7 +440,11 @@ class _MergeTally:
                 n = int(counts.get("events", 0)) + int(counts.get("tombstones", 0))
                 per_table[table] = per_table.get(table, 0) + n
                 self.events[table] = self.events.get(table, 0) + n
-                self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
+        for step in decodes:
+            if step["at"] > self.decoded_at:
+                self.decoded_at = step["at"]
+                for table, counts in step["tables"].items():
+                    self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
         if silver_changes != self.silver_changes or not self.positions:
             self.silver_changes = silver_changes
             try:
