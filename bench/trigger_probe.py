@@ -10,8 +10,8 @@ decode plans stay between triggers, unlike a catch-up (bench/tables_bench.py), w
 Per touched-table count and rep, the probe sends ``--records`` records spread evenly over that many topics at once
 (the snapshot's own records again, bytes and headers unchanged, repeated as needed) and waits until the query has
 read them, so every burst carries the same work and only the tables it touches differ; a trigger's
-cost is Spark's ``triggerExecution`` for the micro-batches that held them (a burst split over two triggers is
-counted as both). Modes:
+cost is Spark's ``triggerExecution`` for the micro-batches whose offsets cover part of the burst (a burst split over
+two triggers is counted as both), and after each burst the query's table must hold every record of it once. Modes:
 
 - **shipped**: the merge's foreachBatch function (``micro_batch.process_batch``: one raw log commit, nothing
   decoded), and after each burst the decode step that turns those records into the bronze log
@@ -28,6 +28,7 @@ Everything it made (database, slot, topics, lake) is removed at the end.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -97,20 +98,49 @@ def start(conf: dict, spark, mode: str, folder: str):
     return query
 
 
-def _rows(query, progress) -> int:
-    """The records a trigger read: the shipped function's own count (Spark's numInputRows was 0 for some triggers
-    that did read records, 2026-12-01: offsets advanced, no input rows reported), else Spark's."""
-    if query.merge_context is not None:
-        mine = [b for b in query.merge_context.history if b["batch_id"] == progress["batchId"]]
-        return sum(c.get("events", 0) + c.get("tombstones", 0) for b in mine for c in b["tables"].values())
-    return progress.get("numInputRows", 0)
+def _offsets(progress: dict, field: str) -> dict[str, dict[int, int]]:
+    """A progress record's start or end offsets of the Kafka source: {topic: {partition: offset}}."""
+    found = progress["sources"][0].get(field) or {}
+    if isinstance(found, str):
+        found = json.loads(found)
+    return {topic: {int(p): int(o) for p, o in parts.items()} for topic, parts in found.items()}
+
+
+def _reads(progress: dict, before: dict, after: dict) -> bool:
+    """Whether the trigger read any offset in [before, after) of the burst's partitions."""
+    starts, ends = _offsets(progress, "startOffset"), _offsets(progress, "endOffset")
+    return any(starts.get(t, {}).get(p, 0) < after[t][p] and ends.get(t, {}).get(p, 0) > before[t][p]
+               for t in after for p in after[t] if after[t][p] > before[t][p])
+
+
+def _covered(progress: list[dict], after: dict) -> bool:
+    """Whether the query's newest end offsets reach after on every partition."""
+    ends = _offsets(progress[-1], "endOffset") if progress else {}
+    return all(ends.get(t, {}).get(p, -1) >= o for t in after for p, o in after[t].items())
+
+
+def _landed(spark, path: str, columns: tuple[str, str, str], before: dict, after: dict) -> int:
+    """Rows the query's table holds of the burst's offsets (checked after the burst, outside its timing)."""
+    from pyspark.sql import functions as F
+
+    topic, partition, offset = (F.col(c) for c in columns)
+    inside = None
+    for t in after:
+        for p in after[t]:
+            one = (topic == t) & (partition == p) & (offset >= before[t][p]) & (offset < after[t][p])
+            inside = one if inside is None else inside | one
+    return spark.read.format("delta").load(path).filter(inside).count()
 
 
 def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log, conf: dict,
-          spark) -> dict:
-    """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows)."""
-    before = {p["batchId"] for p in query.recentProgress}
-    ends = bench_env.topic_ends(conf, topics)
+          spark, table: str) -> dict:
+    """Send total of the saved records, spread over topics, at once; the triggers that read them (seconds, rows).
+
+    The triggers are those whose offsets cover part of the burst (Spark's numInputRows was 0 for some triggers that
+    did read records, and a burst split over two triggers was once counted as one); afterwards the query's table
+    must hold every record of the burst, exactly once.
+    """
+    before = bench_env.topic_ends(conf, topics)
     sent = 0
     for topic in topics:
         mine = saved[topic]
@@ -121,30 +151,27 @@ def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], 
             if sent % 10_000 == 0:
                 producer.poll(0)
     left = producer.flush(30)
+    after = bench_env.topic_ends(conf, topics)
+    reached = sum(after[t][p] - before[t][p] for t in after for p in after[t])
+    if left or reached != sent:
+        raise RuntimeError(f"sent {sent} records, {reached} reached Kafka (unflushed {left})")
     deadline = time.monotonic() + 300
-    while True:
-        batches = [p for p in query.recentProgress if p["batchId"] not in before and _rows(query, p) > 0]
-        if sum(_rows(query, p) for p in batches) >= sent:
-            break
+    while not _covered(query.recentProgress, after):
         if time.monotonic() > deadline or query.exception() is not None:
-            now = bench_env.topic_ends(conf, topics)
-            landed = sum(now[t][p] - ends[t][p] for t in now for p in now[t])
-            if query.merge_context is not None:  # did the records reach the raw log all the same?
-                from pyspark.sql import functions as F
-
-                raw = spark.read.format("delta").load(lake_paths.raw_path(conf))
-                logged = raw.filter(F.col("_kafka_topic").isin(*topics)).groupBy("_batch_id").count().collect()
-                print(f"raw log rows of these topics by batch: {sorted(tuple(r) for r in logged)}; batches the "
-                      f"function recorded: {[(b['batch_id'], b.get('seq')) for b in query.merge_context.history]}")
-            raise RuntimeError(f"the query read {sum(_rows(query, p) for p in batches)} of {sent} records "
-                               f"({landed} reached Kafka; unflushed {left}); its status {query.status}, last progress "
-                               f"{query.lastProgress}: {query.exception()}")
+            raise RuntimeError(f"the query did not reach the burst's end offsets; its status {query.status}, last "
+                               f"progress {query.lastProgress}: {query.exception()}")
         time.sleep(0.2)
+    batches = [p for p in query.recentProgress if _reads(p, before, after)]
+    landed = _landed(spark, table, ("_kafka_topic", "_kafka_partition", "_kafka_offset") if query.merge_context
+                     else ("topic", "partition", "offset"), before, after)
+    if landed != sent:
+        raise RuntimeError(f"the query moved past the burst's {sent} records and its table holds {landed} of them "
+                           f"(batches {[p['batchId'] for p in batches]})")
     seconds = round(sum(p["durationMs"]["triggerExecution"] for p in batches) / 1000, 2)
     ids = {p["batchId"] for p in batches}
     history = query.merge_context.history if query.merge_context is not None else []
     phases = [b["phases"] for b in history if b["batch_id"] in ids]
-    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s), {seconds} s"
+    log(f"  {len(topics)} table(s), {sent:,} records: {len(batches)} trigger(s) {sorted(ids)}, {seconds} s"
         + (f"; phases {phases}" if phases else ""))
     return {"tables": len(topics), "records": sent, "triggers": len(batches), "seconds": seconds}
 
@@ -171,15 +198,17 @@ def main(argv=None) -> None:
                              "enable.idempotence": True, "linger.ms": 5})
         for mode in args.modes:
             query = start(conf, spark, mode, folder)
+            table = lake_paths.raw_path(conf) if mode == "shipped" else f"{folder}/raw"
             try:
                 # the first builds plans
-                burst(query, producer, saved, topics[:1], 1000, lambda line: None, conf, spark)
+                burst(query, producer, saved, topics[:1], 1000, lambda line: None, conf, spark, table)
                 decoding = decode_step.decoding(conf)
                 if mode == "shipped":
                     decode_step.run(conf, spark, decoding)  # the first builds plans
                 for _ in range(args.reps):
                     for count in args.tables:
-                        timed = burst(query, producer, saved, topics[:count], args.records, print, conf, spark)
+                        timed = burst(query, producer, saved, topics[:count], args.records, print, conf, spark,
+                                      table)
                         row = {"mode": mode, **timed}
                         if mode == "shipped":
                             row["decode"] = decode_step.run(conf, spark, decoding).get("seconds")

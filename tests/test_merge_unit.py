@@ -645,3 +645,27 @@ def test_a_restart_after_sparks_known_kafka_metrics_failure_says_so_in_one_line(
                                 "KafkaMicroBatchStream.scala:520)")  # Spark Connect puts the JVM frames in the message
     assert merge.kafka_metrics_bug(over_connect) and merge.kafka_metrics_bug(captured)
     assert not merge.kafka_metrics_bug(RuntimeError("java.lang.NullPointerException in a user's metrics code"))
+
+
+def test_compaction_prunes_the_raw_log_to_what_is_undecoded_and_the_trigger_goes_on_numbering(unit_conf, spark_session):
+    root = Path(config.get(unit_conf, "lake.root")) / f"prune-{uuid.uuid4().hex[:6]}"
+    conf = config.apply_overrides(unit_conf, {"CDC__MERGE__COMPACT_INTERVAL_MINUTES": "0.000001",
+                                              "CDC__LAKE__ROOT": str(root)})
+    items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
+    feed, ctx = Feed(), micro_batch.context(conf, query="prune", app_id=f"prune-{uuid.uuid4().hex[:6]}")
+    first = feed.rows(items.topic, [items.event("c", 320, 3200, name="a"), items.event("c", 321, 3210, name="b")])
+    micro_batch.process_batch(spark_session.createDataFrame(first, KAFKA_SCHEMA), 0, ctx)
+    raw = lake_paths.raw_path(conf)
+    prog = silver_step.progress(conf)
+    prog.last_compaction = 0.0  # due now
+    silver_step.run(conf, spark_session, prog)
+    assert spark_session.read.format("delta").load(raw).count() == 0  # every raw row decoded, so pruned
+    second = feed.rows(items.topic, [items.event("u", 320, 3300, name="a2")])
+    micro_batch.process_batch(spark_session.createDataFrame(second, KAFKA_SCHEMA), 1, ctx)
+    micro_batch.process_batch(spark_session.createDataFrame(second, KAFKA_SCHEMA), 1, ctx)  # a retried batch
+    left = spark_session.read.format("delta").load(raw).collect()
+    assert [(r["_seq"], r["_kafka_offset"]) for r in left] == [(1, 2)]  # the sequence went on past the pruned commit
+    prog.last_compaction = 0.0
+    silver_step.run(conf, spark_session, prog)
+    assert {k: v["name"] for k, v in _rows(spark_session, conf, "items").items()} == {320: "a2", 321: "b"}
+    assert spark_session.read.format("delta").load(raw).count() == 0

@@ -18,7 +18,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from lib.lake import bronze_log, decode, delta_io
+from lib.lake import bronze_log, decode, delta_io, lake_paths
 
 TRUNCATE_OP = "t"
 
@@ -94,6 +94,14 @@ def truncates(spark: SparkSession, path: str) -> dict[str, tuple]:
 def pending(spark: SparkSession, path: str, after_seq: int, upto_seq: int) -> DataFrame:
     """The raw rows of the commits after after_seq up to upto_seq."""
     return spark.read.format("delta").load(path).filter((F.col("_seq") > after_seq) & (F.col("_seq") <= upto_seq))
+
+
+def prune(spark: SparkSession, path: str, decoded_seq: int) -> None:
+    """Delete the raw rows of the commits the bronze log holds decoded (_seq <= decoded_seq): the raw log keeps
+    only what the decode step has still to read. Its commits' userMetadata, which the trigger's sequence and
+    retried-batch check read, stay in the Delta log."""
+    if decoded_seq >= 0:
+        spark.sql(f"DELETE FROM delta.{lake_paths.quote(path)} WHERE _seq <= {int(decoded_seq)}")
 
 
 def as_headers(raw: DataFrame) -> DataFrame:

@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from lib import config
-from lib.lake import bronze_log, decode_step, delta_io, lake_paths, micro_batch, silver_table, writer_schemas
+from lib.lake import bronze_log, decode_step, delta_io, lake_paths, micro_batch, raw_log, silver_table, writer_schemas
 from lib.lake.lake_paths import MergeError, quote
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def _refuse_unserved(prog: Progress, spec, layout, counted: dict | None) -> None
 
 
 def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> None:
-    """Now and then: remove old soft tombstones from silver, compact the bronze log's small files."""
+    """Now and then: drop old soft tombstones from silver, compact the logs (the raw log pruned to the undecoded)."""
     minutes = float(config.get(conf, "merge.cleanup_interval_minutes"))
     if minutes > 0 and time.monotonic() - prog.last_cleanup >= minutes * 60:
         silver_table.cleanup_tombstones(conf, spark)
@@ -252,10 +252,14 @@ def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> Non
     minutes = float(config.get(conf, "merge.compact_interval_minutes"))
     if minutes > 0 and time.monotonic() - prog.last_compaction >= minutes * 60:
         compact(spark, path)
+        raw = lake_paths.raw_path(conf)
+        if delta_io.is_table(spark, raw):
+            raw_log.prune(spark, raw, bronze_log.state(spark, path).seq)
+            compact(spark, raw)
         prog.last_compaction = time.monotonic()
 
 
 def compact(spark: SparkSession, path: str) -> dict:
-    """OPTIMIZE the bronze log: one commit per trigger leaves many small files; a reader opens fewer after it."""
+    """OPTIMIZE a log: one commit per trigger leaves many small files; a reader opens fewer after it."""
     metrics = spark.sql(f"OPTIMIZE delta.{quote(path)}").collect()[0].asDict(recursive=True).get("metrics") or {}
     return {"files_added": metrics.get("numFilesAdded"), "files_removed": metrics.get("numFilesRemoved")}
