@@ -28,7 +28,7 @@ Everything it made (database, slot, topics, lake) is removed at the end.
 from __future__ import annotations
 
 import argparse
-import json
+import ast
 import statistics
 import sys
 import tempfile
@@ -99,11 +99,13 @@ def start(conf: dict, spark, mode: str, folder: str):
 
 
 def _offsets(progress: dict, field: str) -> dict[str, dict[int, int]]:
-    """A progress record's start or end offsets of the Kafka source: {topic: {partition: offset}}."""
+    """A progress record's start or end offsets of the Kafka source: {topic: {partition: offset}} (partition as str, as
+    bench_env.topic_ends gives them)."""
     found = progress["sources"][0].get(field) or {}
-    if isinstance(found, str):
-        found = json.loads(found)
-    return {topic: {int(p): int(o) for p, o in parts.items()} for topic, parts in found.items()}
+    if isinstance(found, str):  # pyspark 4 gives str() of the parsed JSON: a Python literal
+        found = ast.literal_eval(found)
+    found = found or {}  # a first trigger's start: None
+    return {topic: {str(p): int(o) for p, o in parts.items()} for topic, parts in found.items()}
 
 
 def _reads(progress: dict, before: dict, after: dict) -> bool:
@@ -121,15 +123,11 @@ def _covered(progress: list[dict], after: dict) -> bool:
 
 def _landed(spark, path: str, columns: tuple[str, str, str], before: dict, after: dict) -> int:
     """Rows the query's table holds of the burst's offsets (checked after the burst, outside its timing)."""
-    from pyspark.sql import functions as F
-
-    topic, partition, offset = (F.col(c) for c in columns)
-    inside = None
-    for t in after:
-        for p in after[t]:
-            one = (topic == t) & (partition == p) & (offset >= before[t][p]) & (offset < after[t][p])
-            inside = one if inside is None else inside | one
-    return spark.read.format("delta").load(path).filter(inside).count()
+    topic, partition, offset = columns
+    ranges = spark.createDataFrame([(t, int(p), before[t][p], after[t][p]) for t in after for p in after[t]],
+                                   f"{topic} string, {partition} int, low long, high long")
+    rows = spark.read.format("delta").load(path).join(ranges, [topic, partition])
+    return rows.filter((rows[offset] >= rows["low"]) & (rows[offset] < rows["high"])).count()
 
 
 def burst(query, producer: Producer, saved: dict[str, list], topics: list[str], total: int, log, conf: dict,

@@ -36,7 +36,18 @@ from pyspark.sql import types as T
 from lib import config, control, schema_registry
 from lib.capture import avro_schemas, events
 from lib.capture.catalog import Column, PgType, Table
-from lib.lake import browse, delta_io, lake_paths, merge, micro_batch, silver_step, silver_table, writer_schemas
+from lib.lake import (
+    bronze_log,
+    browse,
+    decode_step,
+    delta_io,
+    lake_paths,
+    merge,
+    micro_batch,
+    silver_step,
+    silver_table,
+    writer_schemas,
+)
 
 pytestmark = pytest.mark.stack
 
@@ -669,3 +680,28 @@ def test_compaction_prunes_the_raw_log_to_what_is_undecoded_and_the_trigger_goes
     silver_step.run(conf, spark_session, prog)
     assert {k: v["name"] for k, v in _rows(spark_session, conf, "items").items()} == {320: "a2", 321: "b"}
     assert spark_session.read.format("delta").load(raw).count() == 0
+
+
+def test_a_decode_step_killed_between_its_dead_letters_and_its_bronze_commit_sets_nothing_aside_twice(
+        unit_conf, spark_session, monkeypatch):
+    root = Path(config.get(unit_conf, "lake.root")) / f"crash-{uuid.uuid4().hex[:6]}"
+    conf = config.apply_overrides(unit_conf, {"CDC__LAKE__ROOT": str(root)})
+    items = Writer(schema_registry.client(conf), config.get(conf, "kafka.topic_prefix"), ITEMS)
+    rows = Feed().rows(items.topic, [items.event("c", 330, 3300, name="a"), (items.key_bytes(331), b"\x07not avro")])
+    micro_batch.process_batch(spark_session.createDataFrame(rows, KAFKA_SCHEMA), 0,
+                              micro_batch.context(conf, query="crash", app_id=f"crash-{uuid.uuid4().hex[:6]}"))
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed before the bronze commit")
+
+    monkeypatch.setattr(bronze_log, "append_decoded", killed)
+    with pytest.raises(RuntimeError, match="killed before the bronze commit"):
+        decode_step.run(conf, spark_session)
+    monkeypatch.undo()
+    dead = lambda: spark_session.read.format("delta").load(lake_paths.dead_letter_path(conf)).count()  # noqa: E731
+    assert dead() == 1  # the step had set the poison aside before it died
+    step = decode_step.run(conf, spark_session, decode_step.decoding(conf))  # a new process: nothing in memory
+    assert (step["commits"], step["tables"]["unit.items"]["events"], dead()) == (1, 1, 1)
+    logged = spark_session.read.format("delta").load(lake_paths.bronze_path(conf)).filter("_table = 'unit.items'")
+    assert [r["_seq"] for r in logged.collect()] == [0]  # the good event once
+    assert decode_step.run(conf, spark_session)["commits"] == 0  # and a step after it finds nothing to do
