@@ -19,8 +19,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from lib.lake import bronze_log, decode, delta_io, lake_paths
-
-TRUNCATE_OP = "t"
+from lib.lake.bronze_log import TRUNCATE_OP  # the decode step copies a truncate row's op into bronze
 
 SCHEMA = T.StructType([
     T.StructField("_table", T.StringType()), T.StructField("_key", T.BinaryType()),

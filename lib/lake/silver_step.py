@@ -129,7 +129,7 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
         finally:
             pending.unpersist()
     merged = time.monotonic()
-    _maintain(conf, spark, prog, path)
+    _maintain(conf, spark, prog, path, state.seq)
     result["phases"]["maintain"] = round(time.monotonic() - merged, 2)
     result["seconds"] = round(time.monotonic() - began, 2)
     if result["tables"]:
@@ -243,7 +243,7 @@ def _refuse_unserved(prog: Progress, spec, layout, counted: dict | None) -> None
             f"or restore its storage), then start the merge again: silver resumes from where it stopped")
 
 
-def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> None:
+def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str, decoded_seq: int) -> None:
     """Now and then: drop old soft tombstones from silver, compact the logs (the raw log pruned to the undecoded)."""
     minutes = float(config.get(conf, "merge.cleanup_interval_minutes"))
     if minutes > 0 and time.monotonic() - prog.last_cleanup >= minutes * 60:
@@ -254,7 +254,7 @@ def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str) -> Non
         compact(spark, path)
         raw = lake_paths.raw_path(conf)
         if delta_io.is_table(spark, raw):
-            raw_log.prune(spark, raw, bronze_log.state(spark, path).seq)
+            raw_log.prune(spark, raw, decoded_seq)  # the bronze log's state this step read
             compact(spark, raw)
         prog.last_compaction = time.monotonic()
 

@@ -283,7 +283,7 @@ class SilverCadence:
         self.ctx = None
         self.steps, self.changes, self.failure, self.last = 0, 0, None, None  # changes: steps that applied events
         self.done_batches = -1  # the bronze batch id the last step started after
-        self.decoded_batch = -1  # the bronze batch id the last decode step (or silver step) started after
+        self.decoded_batch = -1  # the bronze batch id the last decode step started after
         self.seen = (None, time.monotonic())  # the newest bronze batch id, and when it was first seen
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="silver-cadence", daemon=True)
