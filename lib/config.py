@@ -136,6 +136,9 @@ DEFAULTS: dict[str, object] = {
     # silver's cadence (lib/lake/silver_step.py): the fresh view answers "now" meanwhile (docs/merge.md)
     "merge.silver_interval_s": 30.0,
     "merge.silver_pending_events": 200_000,  # a step sooner once the bronze query logged this many events
+    # a trigger touching at most this many tables decodes them into bronze itself (a trickle waits for one commit,
+    # not two); a trigger of more tables leaves that to the decode step beside it (lib/lake/decode_step.py); 0: never
+    "merge.decode_in_trigger_tables": 4,
     "merge.compact_interval_minutes": 10,  # OPTIMIZE of the bronze log (one small file per trigger otherwise)
     "merge.parallelism": 4,  # a silver step's MERGEs run side by side (sessions of their own)
     "merge.tombstone_retention_hours": 168,

@@ -705,3 +705,50 @@ def test_a_decode_step_killed_between_its_dead_letters_and_its_bronze_commit_set
     logged = spark_session.read.format("delta").load(lake_paths.bronze_path(conf)).filter("_table = 'unit.items'")
     assert [r["_seq"] for r in logged.collect()] == [0]  # the good event once
     assert decode_step.run(conf, spark_session)["commits"] == 0  # and a step after it finds nothing to do
+
+
+def test_a_trigger_of_few_tables_decodes_them_into_bronze_itself_and_leaves_more_to_the_decode_step(
+        unit_conf, spark_session, monkeypatch):
+    root = Path(config.get(unit_conf, "lake.root")) / f"inline-{uuid.uuid4().hex[:6]}"
+    conf = config.apply_overrides(unit_conf, {"CDC__LAKE__ROOT": str(root), "CDC__MERGE__DECODE_IN_TRIGGER_TABLES": "1",
+                                              "CDC__KAFKA__TOPIC_PREFIX": f"cdc-mi-{uuid.uuid4().hex[:6]}"})
+    control.ensure(conf)  # a control topic of its own: no truncate the other tests announced touches its triggers
+    registry, prefix = schema_registry.client(conf), config.get(conf, "kafka.topic_prefix")
+    items, trunc = Writer(registry, prefix, ITEMS), Writer(registry, prefix, TRUNC)
+    feed, app_id = Feed(), f"inline-{uuid.uuid4().hex[:6]}"
+    ctx = micro_batch.context(conf, query="inline", app_id=app_id)
+    ctx.decoding = decode_step.decoding(conf)
+    frame = lambda rows: spark_session.createDataFrame(rows, KAFKA_SCHEMA)  # noqa: E731
+    bronze = lambda: sorted((r["_seq"], r["_table"], r["_kafka_offset"]) for r in spark_session.read.format(  # noqa: E731
+        "delta").load(lake_paths.bronze_path(conf)).collect())
+    dead = lambda: spark_session.read.format("delta").load(lake_paths.dead_letter_path(conf)).count()  # noqa: E731
+
+    one = feed.rows(items.topic, [items.event("c", 340, 3400, name="a"), (items.key_bytes(341), b"\x07not avro")])
+    assert micro_batch.process_batch(frame(one), 0, ctx)["decoded"] == 0
+    assert (bronze(), dead()) == ([(0, "unit.items", 0)], 1)  # decoded by the trigger; its poison set aside
+
+    two = feed.rows(items.topic, [items.event("u", 340, 3500, name="a2")]) + feed.rows(
+        trunc.topic, [trunc.event("c", 40, 400, name="t")])
+    assert "decoded" not in micro_batch.process_batch(frame(two), 1, ctx)  # two tables: left to the decode step
+    assert bronze() == [(0, "unit.items", 0)]
+
+    three = feed.rows(items.topic, [items.event("u", 340, 3600, name="a3")])
+    assert micro_batch.process_batch(frame(three), 2, ctx)["decoded"] == 2  # bronze lacked commit 1: the whole step
+    assert bronze() == [(0, "unit.items", 0), (1, "unit.items", 2), (1, "unit.trunc", 0), (2, "unit.items", 3)]
+
+    def killed(stage, batch_id, tables):
+        raise RuntimeError("killed after the raw commit")
+
+    monkeypatch.setattr(micro_batch, "_fire", killed)
+    four = feed.rows(items.topic, [items.event("u", 340, 3700, name="a4")])
+    with pytest.raises(RuntimeError, match="killed after the raw commit"):
+        micro_batch.process_batch(frame(four), 3, ctx)
+    monkeypatch.undo()
+    again = micro_batch.context(conf, query="inline", app_id=app_id)  # the retried batch, in a new process
+    again.decoding = decode_step.decoding(conf)
+    assert "decoded" not in micro_batch.process_batch(frame(four), 3, again)  # its raw commit is there: not again
+    assert decode_step.run(conf, spark_session, again.decoding)["commits"] == 1
+    assert bronze()[-1] == (3, "unit.items", 4) and len(bronze()) == 5 and dead() == 1
+    silver_step.run(conf, spark_session)
+    assert {k: v["name"] for k, v in _rows(spark_session, conf, "items").items()} == {340: "a4"}
+    AdminClient({"bootstrap.servers": config.get(conf, "kafka.bootstrap_servers")}).delete_topics([control.topic(conf)])

@@ -58,17 +58,35 @@ def run(conf: dict, spark: SparkSession, dec: Decoding | None = None) -> dict:
         return _run(conf, spark, dec)
 
 
+def in_trigger(conf: dict, spark: SparkSession, dec: Decoding, frame: DataFrame, seq: int,
+               ids: dict[str, tuple[set, set]]) -> dict:
+    """Decode the raw commit a trigger just wrote (frame: its rows, _seq = seq; ids: {table: (value schema ids, key
+    schema ids)} as the trigger counted them) from the trigger's own rows, without reading the raw log back: what a
+    trigger touching few tables does (merge.decode_in_trigger_tables), so a trickle waits for one step, not two.
+    When the bronze log lacks older raw commits too, the ordinary step runs."""
+    with dec.lock:
+        began = time.monotonic()
+        path = lake_paths.bronze_path(conf)
+        delta_io.clear_failed_creation(path)
+        bronze_log.ensure(spark, path)
+        done = bronze_log.state(spark, path)
+        if dec.dead_letters_upto is None:
+            dec.dead_letters_upto = _dead_letters_upto(spark, conf)
+        if done.seq != seq - 1 or done.seq < dec.dead_letters_upto:
+            return _run(conf, spark, dec)
+        present = {table: {"seq": seq, "v": sorted(v), "k": sorted(k)} for table, (v, k) in ids.items()}
+        return _decode(conf, spark, dec, frame, done, seq, False, began, present)
+
+
 def _run(conf: dict, spark: SparkSession, dec: Decoding) -> dict:
     began = time.monotonic()
     raw_path, path = lake_paths.raw_path(conf), lake_paths.bronze_path(conf)
-    result = {"seq": -1, "commits": 0, "tables": {}, "dead_letters": {}}
     if not delta_io.is_table(spark, raw_path):
-        return result
+        return {"seq": -1, "commits": 0, "tables": {}, "dead_letters": {}}
     raw_state = bronze_log.state(spark, raw_path)
     delta_io.clear_failed_creation(path)
     bronze_log.ensure(spark, path)
     done = bronze_log.state(spark, path)
-    result["seq"] = done.seq
     upto = raw_state.seq
     if dec.dead_letters_upto is None:
         dec.dead_letters_upto = _dead_letters_upto(spark, conf)
@@ -76,22 +94,31 @@ def _run(conf: dict, spark: SparkSession, dec: Decoding) -> dict:
     if lettered:
         upto = min(upto, dec.dead_letters_upto)
     if upto <= done.seq:
-        return result
+        return {"seq": done.seq, "commits": 0, "tables": {}, "dead_letters": {}}
+    return _decode(conf, spark, dec, raw_log.pending(spark, raw_path, done.seq, upto), done, upto, lettered, began)
+
+
+def _decode(conf: dict, spark: SparkSession, dec: Decoding, pending: DataFrame, done: bronze_log.State, upto: int,
+            lettered: bool, began: float, present: dict | None = None) -> dict:
+    """The raw rows pending (the commits after done.seq up to upto) decoded into the bronze log in one commit;
+    present: {table: {seq, v, k}} (its last _seq and schema ids) when the caller knows it, else counted here."""
+    path = lake_paths.bronze_path(conf)
+    result = {"seq": done.seq, "commits": 0, "tables": {}, "dead_letters": {}}
     cores = spark_session.cores(spark)
-    pending = raw_log.pending(spark, raw_path, done.seq, upto)
     # one partition per core: each task builds every table's decoders (a Hadoop Configuration per from_avro)
     pending = (pending.coalesce(cores) if cores else pending).persist()
     combined = None
     try:
-        present = {row["_table"]: row for row in pending.groupBy("_table").agg(
-            F.max("_seq").alias("seq"), F.collect_set("_value_schema_id").alias("v"),
-            F.collect_set("_key_schema_id").alias("k")).collect()}
+        if present is None:
+            present = {row["_table"]: row for row in pending.groupBy("_table").agg(
+                F.max("_seq").alias("seq"), F.collect_set("_value_schema_id").alias("v"),
+                F.collect_set("_key_schema_id").alias("k")).collect()}
         specs = lake_paths.table_specs(conf)
         stray = sorted(set(present) - {s.qualified for s in specs})
         if stray:
-            raise MergeError(f"the raw log {raw_path} holds records of table(s) {', '.join(stray)} after bronze "
-                             f"commit {done.seq}, which are no longer in source.tables: put them back in "
-                             f"source.tables to have them decoded (their records are kept in the raw log)")
+            raise MergeError(f"the raw log {lake_paths.raw_path(conf)} holds records of table(s) {', '.join(stray)} "
+                             f"after bronze commit {done.seq}, which are no longer in source.tables: put them back "
+                             f"in source.tables to have them decoded (their records are kept in the raw log)")
         framed = raw_log.as_headers(pending)
         plans = []
         for n, spec in enumerate(specs):

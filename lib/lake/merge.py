@@ -114,8 +114,13 @@ def read_stream(conf: dict, spark: SparkSession, retired: list[str] = ()) -> Dat
     return reader.load()
 
 
-def start(conf: dict, spark: SparkSession, trigger: str = "available_now", interval: str = "5 seconds"):
+def start(conf: dict, spark: SparkSession, trigger: str = "available_now", interval: str = "5 seconds",
+          decoding: decode_step.Decoding | None = None):
     """Start the merge query: trigger 'available_now' (catch up, then stop) or 'processing_time' (every interval).
+
+    ``decoding`` (the decode steps' Decoding of this process): a trigger touching few tables decodes them into bronze
+    itself, one commit after its raw one (merge.decode_in_trigger_tables; not over Spark Connect, where the trigger
+    runs in the server's process and the decode steps in this one).
 
     The checkpoint is <lake.root>/_checkpoints/<query name>. Deleting it replays the topics from
     the start (safe: silver only moves forward; bronze gets the events again).
@@ -129,6 +134,8 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     if spark_session.is_remote(spark):  # the function runs on the Connect server: it carries names and lib/, not ctx
         function = spark_session.carrying(micro_batch.BatchFunction(conf, name, ctx.checkpoint, ctx.retired))
     else:
+        ctx.decoding = decoding
+
         def function(frame, batch_id):
             return micro_batch.process_batch(frame, batch_id, ctx)
     writer = read_stream(conf, spark, sorted(ctx.retired)).writeStream.queryName(name) \

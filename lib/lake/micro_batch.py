@@ -1,8 +1,10 @@
 """One micro-batch of the merge's streaming query: every table's Kafka records appended undecoded to the raw log in
-one commit (lib/lake/raw_log.py), with the truncates the control topic announced. Nothing is decoded here: the
-decode step (lib/lake/decode_step.py) fills the bronze log from the raw log and silver applies it on its own
-cadence (lib/lake/silver_step.py), so a trigger is one projection of fixed width and its cost does not grow with
-the tables it touches (docs/merge.md).
+one commit (lib/lake/raw_log.py), with the truncates the control topic announced. The decode step
+(lib/lake/decode_step.py) fills the bronze log from the raw log and silver applies it on its own cadence
+(lib/lake/silver_step.py), so a trigger is one projection of fixed width and its cost does not grow with the
+tables it touches (docs/merge.md). A trigger of few tables (merge.decode_in_trigger_tables) in the merge service
+decodes its own rows into bronze right after its raw commit: on a trickle a row waits for one trigger, not for a
+trigger and then a decode step.
 
 ``process_batch`` is the streaming query's foreachBatch function; its write is idempotent, so a retried
 batch changes nothing it already wrote.
@@ -21,7 +23,7 @@ from pyspark.sql import functions as F
 
 from lib import config, control
 from lib import spark as spark_session
-from lib.lake import bronze_log, decode, delta_io, lake_paths, raw_log
+from lib.lake import bronze_log, decode, decode_step, delta_io, lake_paths, raw_log
 from lib.lake.lake_paths import MergeError, TableSpec
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class MergeContext:
     active: bool = False  # a micro-batch is running now (the silver cadence waits for bronze to be idle)
     active_since: float | None = None  # when the running micro-batch began (monotonic seconds)
     checkpoint: str | None = None  # the query's checkpoint: where its id is found when no session lists the query
+    decoding: decode_step.Decoding | None = None  # set: a trigger of few tables decodes them itself (in_trigger)
 
     def spec(self, topic: str) -> TableSpec | None:
         """The table a topic belongs to."""
@@ -139,7 +142,8 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
 
     try:
         present = {row["topic"]: row for row in raw.groupBy("topic").agg(
-            F.count(F.lit(1)).alias("n"), F.count(F.when(F.col("__v").isNull(), 1)).alias("tombs")).collect()}
+            F.count(F.lit(1)).alias("n"), F.count(F.when(F.col("__v").isNull(), 1)).alias("tombs"),
+            F.collect_set("__vid").alias("v"), F.collect_set("__kid").alias("k")).collect()}
         stats = {"batch_id": batch_id, "tables": {}, "phases": phases}
         phase("read")
         if not present:
@@ -172,11 +176,20 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
             for name in cuts:
                 stats["tables"].setdefault(name, {})["truncated_before"] = list(cuts[name][:2])
         touched = {spec.qualified for spec in mine} | set(cuts)
+        appended = False
         if touched:
-            raw_log.append(spark, path, functools.reduce(DataFrame.unionByName, logged), ctx.log_state, app,
-                              batch_id, touched)
+            frame = functools.reduce(DataFrame.unionByName, logged)
+            appended = raw_log.append(spark, path, frame, ctx.log_state, app, batch_id, touched)
         phase("append")
         _fire("after_bronze", batch_id, ",".join(sorted(touched)))
+        if appended and ctx.decoding is not None and len(touched) <= int(
+                config.get(ctx.conf, "merge.decode_in_trigger_tables")):
+            seq = ctx.log_state.seq
+            ids = {**{table: (set(), set()) for table in cuts},
+                   **{spec.qualified: (set(present[spec.topic]["v"]), set(present[spec.topic]["k"])) for spec in mine}}
+            written = frame.withColumn("_seq", F.lit(seq).cast("long"))
+            stats["decoded"] = decode_step.in_trigger(ctx.conf, spark, ctx.decoding, written, seq, ids)["seq"]
+            phase("decode")
         ctx.truncates_logged.update(cuts)
         stats["seq"] = ctx.log_state.seq
         stats["seconds"] = round(time.monotonic() - began, 2)

@@ -183,7 +183,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
     waits = MergeWaits(conf)
     try:
         while True:
-            query = merge.start(conf, spark, "processing_time", interval)
+            query = merge.start(conf, spark, "processing_time", interval, decoding=cadence.progress.decoding)
             ctx = query.merge_context
             cadence.follow(ctx)
             log(f"merge     query {query.name} ({query.id}) started, bronze every {interval}, silver every "
