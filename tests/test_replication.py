@@ -88,7 +88,9 @@ def _scenario(conf: dict, schema: str, read, acknowledge, status, settle_s: floa
         below_b = _commit_lsn(t2)
         _read_until(read, "C")  # T2b read, not acknowledged
         _insert(t3, schema, 2000, ROWS)  # T3 open: the server streams T1 to make room
-        stream_block = _read_until(read, "E")
+        # the walsender reads every database's WAL to get there: beside the other workers' writes that took over 30 s
+        # once (2026-12-02, a load average of 9)
+        stream_block = _read_until(read, "E", timeout_s=90.0)
         assert stream_block[0][0] == "S", f"expected T1 streamed, saw {[s[0] for s in stream_block]}"
         # the walsender waits for WAL and sends its keepalive. Other tests write in the same scratch database
         # meanwhile, so a stream block of theirs may arrive too: read, never acknowledged, like T2b
