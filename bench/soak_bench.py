@@ -154,7 +154,7 @@ def timed_catch_up(conf: dict, statement: str) -> dict:
 
 def sample(conf: dict, spark, view: str, policy: dict, since_record: int, cpu_before: dict) -> dict:
     """One line's figures (see the module's docstring)."""
-    bronze = files(lake_paths.bronze_path(conf))
+    bronze, raw = files(lake_paths.bronze_path(conf)), files(lake_paths.raw_path(conf))
     silver = files(lake_paths.silver_path(conf, lake_paths.table_spec(conf, "fresh.t01")))
     began = time.monotonic()
     spark.sql(f"SELECT count(*) FROM {view}").collect()
@@ -167,7 +167,7 @@ def sample(conf: dict, spark, view: str, policy: dict, since_record: int, cpu_be
     batch_s = [s for r in window for s in r.get("batch_seconds") or []]
     steps = [r.get("silver_steps") for r in window if r.get("silver_steps") is not None]
     cpu = bench_env.cpu_seconds(conf)
-    return {"bronze": bronze, "silver_t01": silver, "spark_query_s": round(spark_s, 2),
+    return {"bronze": bronze, "raw": raw, "silver_t01": silver, "spark_query_s": round(spark_s, 2),
             "python_read_s": round(python_s, 2), "batches": len(batch_s),
             "batch_p50_s": round(statistics.median(batch_s), 2) if batch_s else None,
             "silver_steps": (max(steps) - min(steps)) if len(steps) > 1 else None, "records": len(records),
@@ -237,13 +237,15 @@ def run(args, log) -> dict:
 def report(args, result: dict, before: str, after: str) -> str:
     lines = [f"soak: {args.rate:g} one-row transactions/s over {args.tables} tables for {args.minutes} min, "
              f"defaults of conf/local.yml; load before {before}, after {after}", "",
-             "| minute | transactions | bronze files | bronze _delta_log entries | bronze version | t01 silver files | "
-             "Spark fresh query | fresh_read | bronze batches (p50) | silver steps | CPU s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| minute | transactions | bronze files | bronze _delta_log entries | bronze version | raw log files | "
+             "raw _delta_log entries | t01 silver files | Spark fresh query | fresh_read | bronze batches (p50) | "
+             "silver steps | CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["samples"]:
         bronze = s["bronze"]
         lines.append(f"| {s['minute']} | {s['transactions']:,} | {bronze['files']} | {bronze['log_entries']} | "
-                     f"{bronze['version']} | {s['silver_t01']['files']} | {s['spark_query_s']} s | "
+                     f"{bronze['version']} | {s['raw']['files']} | {s['raw']['log_entries']} | "
+                     f"{s['silver_t01']['files']} | {s['spark_query_s']} s | "
                      f"{s['python_read_s']} s | {s['batches']} ({s['batch_p50_s']} s) | {s['silver_steps']} | "
                      f"{s['cpu_s']} |")
     exact = all(result["exact"].values())
