@@ -4,10 +4,12 @@ with the conf that lists the added table, and every table (the added one include
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
+from confluent_kafka import Producer
 from psycopg2 import sql
 
 from lib import config, source
@@ -173,3 +175,31 @@ def test_remove_table_drops_it_from_the_publication(incr):
     assert ADDED not in {r["table"] for r in incremental.progress(added)}
     with pytest.raises(incremental.IncrementalError, match="not found"):
         incremental.remove_table(added, "bank.nope", log=lambda line: None)
+
+
+def test_a_table_taken_out_of_source_tables_is_read_and_skipped_and_the_merge_starts_on_its_checkpoint(
+        incr, spark_session, caplog):
+    """After test_remove_table: conf without bank.transactions, the merge's checkpoint holding its topic."""
+    added = with_added(incr)
+    gone = lake_paths.table_spec(added, ADDED).topic
+    checkpoint = lake_paths.checkpoint_path(incr, lake_paths.query_name(incr))
+    held = merge.checkpoint_topics(spark_session, checkpoint)
+    assert gone in held and merge.checkpoint_topics_read(spark_session, checkpoint) == held  # both ways agree
+    assert merge.removed_topics(incr, spark_session, checkpoint) == [gone]
+    producer = Producer({"bootstrap.servers": config.get(incr, "kafka.bootstrap_servers")})
+    producer.produce(gone, key=b"\x07not avro", value=b"\x07not avro")  # no table decodes it now: skipped, not lost
+    producer.flush(30)
+    writer = source.connect(incr, admin=True)
+    try:
+        workload.run(writer, rate=20, duration=2, seed=77)
+    finally:
+        writer.close()
+    stream.run(incr, until="caught_up")
+    with caplog.at_level(logging.WARNING, logger="lib.lake.merge"):
+        after = merge.run_until_caught_up(incr, spark_session)  # Spark refused the checkpoint before: data loss
+    assert after["batches"] >= 1 and after["dead_letters"] == 0
+    assert any(f"holds topic {gone}, which no table of source.tables writes now" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    results = reconcile.reconcile(incr, spark_session)
+    assert {r["table"] for r in results} == set(config.get(incr, "source.tables"))
+    assert all(r["equal"] for r in results), [r for r in results if not r["equal"]]

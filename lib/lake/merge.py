@@ -6,7 +6,9 @@ How it works and what it guarantees: docs/merge.md.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 
 from pyspark.sql import DataFrame, SparkSession
@@ -79,6 +81,61 @@ def retired_topics(conf: dict) -> list[str]:
     return sorted({t for key, r in records.items() if key.startswith(prefix) for t in r["retired_topics"]} - current)
 
 
+def removed_topics(conf: dict, spark: SparkSession, checkpoint: str) -> list[str]:
+    """The topics the merge's checkpoint holds that no table of source.tables writes now (a table taken out of
+    source.tables, or a re-keyed table's old topic), the control topic aside.
+
+    The merge goes on subscribing to them, as to a re-keyed table's old topic: Spark fails a query whose checkpoint
+    holds a topic it no longer reads ("partitions have been deleted"), and their records are skipped.
+    """
+    held = checkpoint_topics(spark, checkpoint)
+    current = {spec.topic for spec in lake_paths.table_specs(conf)} | {control.topic(conf)}
+    return sorted(held - current)
+
+
+def checkpoint_topics(spark: SparkSession, checkpoint: str) -> set[str]:
+    """The topics in the newest offsets file of a streaming checkpoint (none for a new checkpoint)."""
+    folder = os.path.join(checkpoint.removeprefix("file://").removeprefix("file:"), "offsets")
+    if "://" not in checkpoint or checkpoint.startswith("file:"):
+        numbered = [int(n) for n in os.listdir(folder) if n.isdigit()] if os.path.isdir(folder) else []
+        if not numbered:
+            return set()
+        with open(os.path.join(folder, str(max(numbered)))) as handle:
+            return _offset_topics(handle.read().splitlines())
+    return checkpoint_topics_read(spark, checkpoint)
+
+
+def checkpoint_topics_read(spark: SparkSession, checkpoint: str) -> set[str]:
+    """checkpoint_topics through Spark, for a checkpoint this process does not see (s3://, dbfs:/, a Connect
+    server's filesystem)."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    try:
+        lines = spark.read.text(f"{checkpoint}/offsets").select("value", F.input_file_name().alias("f")).collect()
+    except AnalysisException:  # no offsets folder yet: a new checkpoint
+        return set()
+    by_batch: dict[int, list[str]] = {}
+    for row in lines:
+        name = row["f"].rstrip("/").rsplit("/", 1)[-1]
+        if name.isdigit():
+            by_batch.setdefault(int(name), []).append(row["value"])
+    return _offset_topics(by_batch[max(by_batch)]) if by_batch else set()
+
+
+def _offset_topics(lines: list[str]) -> set[str]:
+    """The topics of an offsets file's lines: a version line, the batch's metadata, then one JSON per source."""
+    found = set()
+    for line in lines:
+        try:
+            offsets = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(offsets, dict) and "batchWatermarkMs" not in offsets:
+            found |= {topic for topic, partitions in offsets.items() if isinstance(partitions, dict)}
+    return found
+
+
 def kafka_options(conf: dict, retired: list[str] = ()) -> dict[str, str]:
     """Kafka source options from conf: servers and security, topics, earliest start, maxOffsetsPerTrigger, extras."""
     options = {
@@ -129,8 +186,15 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     silver_table.rebuild_moved(conf, spark)  # before the query: a re-keyed table's silver is rebuilt from its new topic
     name = query_name(conf)
     ctx = micro_batch.context(conf, name)
-    ctx.session, ctx.retired = spark, frozenset(retired_topics(conf))
     ctx.checkpoint = lake_paths.checkpoint_path(conf, name)
+    retired = retired_topics(conf)
+    removed = [topic for topic in removed_topics(conf, spark, ctx.checkpoint) if topic not in retired]
+    for topic in removed:
+        log.warning("merge query %s: its checkpoint %s holds topic %s, which no table of source.tables writes now (a "
+                    "table taken out of source.tables?): the query goes on reading it and skips its records; that "
+                    "table's silver table stays as it was (drop it if it is no longer wanted)", name, ctx.checkpoint,
+                    topic)
+    ctx.session, ctx.retired = spark, frozenset(retired + removed)
     if spark_session.is_remote(spark):  # the function runs on the Connect server: it carries names and lib/, not ctx
         function = spark_session.carrying(micro_batch.BatchFunction(conf, name, ctx.checkpoint, ctx.retired))
     else:
