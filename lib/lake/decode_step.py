@@ -59,26 +59,19 @@ def run(conf: dict, spark: SparkSession, dec: Decoding | None = None) -> dict:
 
 
 def in_trigger(conf: dict, spark: SparkSession, dec: Decoding, frame: DataFrame, seq: int,
-               ids: dict[str, tuple[set, set]]) -> dict:
+               ids: dict[str, tuple[list, list]]) -> dict:
     """Decode the raw commit a trigger just wrote (frame: its rows, _seq = seq; ids: {table: (value schema ids, key
     schema ids)} as the trigger counted them) from the trigger's own rows, without reading the raw log back: what a
     trigger touching few tables does (merge.decode_in_trigger_tables), so a trickle waits for one step, not two.
     When the bronze log lacks older raw commits too, the ordinary step runs."""
     with dec.lock:
-        began = time.monotonic()
-        path = lake_paths.bronze_path(conf)
-        delta_io.clear_failed_creation(path)
-        bronze_log.ensure(spark, path)
-        done = bronze_log.state(spark, path)
-        if dec.dead_letters_upto is None:
-            dec.dead_letters_upto = _dead_letters_upto(spark, conf)
-        if done.seq != seq - 1 or done.seq < dec.dead_letters_upto:
-            return _run(conf, spark, dec)
-        present = {table: {"seq": seq, "v": sorted(v), "k": sorted(k)} for table, (v, k) in ids.items()}
-        return _decode(conf, spark, dec, frame, done, seq, False, began, present)
+        return _run(conf, spark, dec, (frame, seq, {table: {"seq": seq, "v": v, "k": k}
+                                                    for table, (v, k) in ids.items()}))
 
 
-def _run(conf: dict, spark: SparkSession, dec: Decoding) -> dict:
+def _run(conf: dict, spark: SparkSession, dec: Decoding, written: tuple | None = None) -> dict:
+    """The step; written: (rows, seq, present) of the raw commit the caller just wrote, decoded from those rows
+    when it is the only commit the bronze log lacks."""
     began = time.monotonic()
     raw_path, path = lake_paths.raw_path(conf), lake_paths.bronze_path(conf)
     if not delta_io.is_table(spark, raw_path):
@@ -95,6 +88,8 @@ def _run(conf: dict, spark: SparkSession, dec: Decoding) -> dict:
         upto = min(upto, dec.dead_letters_upto)
     if upto <= done.seq:
         return {"seq": done.seq, "commits": 0, "tables": {}, "dead_letters": {}}
+    if written is not None and upto == written[1] == done.seq + 1:
+        return _decode(conf, spark, dec, written[0], done, upto, lettered, began, written[2])
     return _decode(conf, spark, dec, raw_log.pending(spark, raw_path, done.seq, upto), done, upto, lettered, began)
 
 

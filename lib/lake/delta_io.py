@@ -144,11 +144,17 @@ def commit_metadata(spark: SparkSession | None, path: str, limit: int = 100) -> 
         yield row["userMetadata"]
 
 
-def _local_log(path: str) -> str:
-    """The _delta_log folder of path on this machine's filesystem ('' for a URL such as s3:// or dbfs:/)."""
+def local_path(path: str) -> str:
+    """path on this machine's filesystem ('' for a URL such as s3:// or dbfs:/)."""
     if "://" in path and not path.startswith("file:"):
         return ""
-    return os.path.join(path.removeprefix("file://").removeprefix("file:"), "_delta_log")
+    return path.removeprefix("file://").removeprefix("file:")
+
+
+def _local_log(path: str) -> str:
+    """The _delta_log folder of path on this machine's filesystem ('' for a URL such as s3:// or dbfs:/)."""
+    local = local_path(path)
+    return os.path.join(local, "_delta_log") if local else ""
 
 
 def _newest_version(folder: str) -> int:

@@ -81,22 +81,23 @@ def retired_topics(conf: dict) -> list[str]:
     return sorted({t for key, r in records.items() if key.startswith(prefix) for t in r["retired_topics"]} - current)
 
 
-def removed_topics(conf: dict, spark: SparkSession, checkpoint: str) -> list[str]:
+def removed_topics(conf: dict, spark: SparkSession, checkpoint: str, retired: list[str] = ()) -> list[str]:
     """The topics the merge's checkpoint holds that no table of source.tables writes now (a table taken out of
-    source.tables, or a re-keyed table's old topic), the control topic aside.
+    source.tables), the control topic and re-keyed tables' old topics (retired) aside.
 
     The merge goes on subscribing to them, as to a re-keyed table's old topic: Spark fails a query whose checkpoint
     holds a topic it no longer reads ("partitions have been deleted"), and their records are skipped.
     """
     held = checkpoint_topics(spark, checkpoint)
-    current = {spec.topic for spec in lake_paths.table_specs(conf)} | {control.topic(conf)}
+    current = {spec.topic for spec in lake_paths.table_specs(conf)} | {control.topic(conf)} | set(retired)
     return sorted(held - current)
 
 
 def checkpoint_topics(spark: SparkSession, checkpoint: str) -> set[str]:
     """The topics in the newest offsets file of a streaming checkpoint (none for a new checkpoint)."""
-    folder = os.path.join(checkpoint.removeprefix("file://").removeprefix("file:"), "offsets")
-    if "://" not in checkpoint or checkpoint.startswith("file:"):
+    local = delta_io.local_path(checkpoint)
+    if local:
+        folder = os.path.join(local, "offsets")
         numbered = [int(n) for n in os.listdir(folder) if n.isdigit()] if os.path.isdir(folder) else []
         if not numbered:
             return set()
@@ -188,7 +189,7 @@ def start(conf: dict, spark: SparkSession, trigger: str = "available_now", inter
     ctx = micro_batch.context(conf, name)
     ctx.checkpoint = lake_paths.checkpoint_path(conf, name)
     retired = retired_topics(conf)
-    removed = [topic for topic in removed_topics(conf, spark, ctx.checkpoint) if topic not in retired]
+    removed = removed_topics(conf, spark, ctx.checkpoint, retired)
     for topic in removed:
         log.warning("merge query %s: its checkpoint %s holds topic %s, which no table of source.tables writes now (a "
                     "table taken out of source.tables?): the query goes on reading it and skips its records; that "

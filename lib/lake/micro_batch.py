@@ -185,8 +185,8 @@ def _process_batch(batch: DataFrame, batch_id: int, ctx: MergeContext) -> dict:
         if appended and ctx.decoding is not None and len(touched) <= int(
                 config.get(ctx.conf, "merge.decode_in_trigger_tables")):
             seq = ctx.log_state.seq
-            ids = {**{table: (set(), set()) for table in cuts},
-                   **{spec.qualified: (set(present[spec.topic]["v"]), set(present[spec.topic]["k"])) for spec in mine}}
+            ids = {**{table: ([], []) for table in cuts},
+                   **{spec.qualified: (present[spec.topic]["v"], present[spec.topic]["k"]) for spec in mine}}
             written = frame.withColumn("_seq", F.lit(seq).cast("long"))
             stats["decoded"] = decode_step.in_trigger(ctx.conf, spark, ctx.decoding, written, seq, ids)["seq"]
             phase("decode")
