@@ -11,7 +11,8 @@ round-robin over the tables, for --minutes. Every --sample-minutes it prints one
 - the bronze log's files in its current version (what a reader of the fresh view opens), the entries of its
   ``_delta_log`` folder and its version; t01's silver files;
 - one query of the masked ``<t01>_fresh`` view in Spark, and one ``fresh_read.rows`` of t01 (no Spark): seconds;
-- the bronze micro-batches of the window (count, p50 seconds) and the silver steps' count;
+- the bronze micro-batches of the window (count, p50 seconds, and the p50 of each of their phases: read, control,
+  append, decode), the decode steps (count, p50 seconds), the silver steps' count and seconds;
 - the CPU seconds of the stack and services in the window.
 
 At the end: the seconds until the lake had caught up, then every table reconciled with its source.
@@ -166,11 +167,21 @@ def sample(conf: dict, spark, view: str, policy: dict, since_record: int, cpu_be
     window = records[since_record:]
     batch_s = [s for r in window for s in r.get("batch_seconds") or []]
     steps = [r.get("silver_steps") for r in window if r.get("silver_steps") is not None]
+    phases: dict[str, list] = {}
+    for r in window:
+        for batch in r.get("batch_phases") or []:
+            for name, seconds in batch.items():
+                phases.setdefault(name, []).append(seconds)
+    decode_s = [s for r in window for s in r.get("decode_seconds") or []]
+    silver_s = [r["silver_last"]["seconds"] for r in window if (r.get("silver_last") or {}).get("seconds")]
     cpu = bench_env.cpu_seconds(conf)
     return {"bronze": bronze, "raw": raw, "silver_t01": silver, "spark_query_s": round(spark_s, 2),
             "python_read_s": round(python_s, 2), "batches": len(batch_s),
             "batch_p50_s": round(statistics.median(batch_s), 2) if batch_s else None,
             "silver_steps": (max(steps) - min(steps)) if len(steps) > 1 else None, "records": len(records),
+            "phase_p50_s": {name: round(statistics.median(v), 2) for name, v in sorted(phases.items())},
+            "decode_steps": len(decode_s), "decode_p50_s": round(statistics.median(decode_s), 2) if decode_s else None,
+            "silver_p50_s": round(statistics.median(silver_s), 2) if silver_s else None,
             "cpu_s": round(sum(cpu.values()) - sum(cpu_before.values()), 1), "cpu": cpu}
 
 
@@ -248,6 +259,12 @@ def report(args, result: dict, before: str, after: str) -> str:
                      f"{s['silver_t01']['files']} | {s['spark_query_s']} s | "
                      f"{s['python_read_s']} s | {s['batches']} ({s['batch_p50_s']} s) | {s['silver_steps']} | "
                      f"{s['cpu_s']} |")
+    lines += ["", "| minute | trigger phases (p50 s) | decode steps (p50) | silver step (p50 of the last seen) |",
+              "|---|---|---|---|"]
+    for s in result["samples"]:
+        phases = ", ".join(f"{name} {v}" for name, v in s["phase_p50_s"].items())
+        lines.append(f"| {s['minute']} | {phases} | {s['decode_steps']} ({s['decode_p50_s']} s) | "
+                     f"{s['silver_p50_s']} s |")
     exact = all(result["exact"].values())
     lines += ["", f"{result['transactions']:,} transactions; caught up {result['caught_up_s']} s after the writes; "
                   f"reconciled: {'every table exact' if exact else result['exact']} (rows {result['rows']})"]

@@ -35,7 +35,7 @@ from lib import source  # noqa: E402
 from lib import spark as spark_lib  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
 from lib.lake import lake_paths, reconcile  # noqa: E402
-from lib.operate import keeper, monitor, service  # noqa: E402
+from lib.operate import keeper, metrics, monitor, service  # noqa: E402
 
 TABLES = ["tpch.region", "tpch.nation", "tpch.supplier", "tpch.customer", "tpch.part", "tpch.partsupp",
           "tpch.orders", "tpch.lineitem"]
@@ -137,6 +137,19 @@ def kill_child(conf: dict, name: str, log) -> None:
         log(f"killed {name} (pid {child})")
 
 
+def work(records: list[dict]) -> dict:
+    """What the merge service's metrics records say it did: bronze batches, decode steps and silver steps (the
+    last one each record saw), their count and seconds."""
+    batches = [s for r in records for s in r.get("batch_seconds") or []]
+    decodes = [s for r in records for s in r.get("decode_seconds") or []]
+    silver = {(r["silver_last"]["at"], r["silver_last"]["seconds"], r["silver_last"]["events"])
+              for r in records if r.get("silver_last")}
+    return {"batches": len(batches), "batch_s": round(sum(batches), 1), "decode_steps": len(decodes),
+            "decode_s": round(sum(decodes), 1), "silver_steps_seen": len(silver),
+            "silver_s": round(sum(s for _, s, _ in silver if s), 1),
+            "silver_steps": [(s, e) for _, s, e in sorted(silver)]}
+
+
 def run(args, log) -> dict:
     folder = tempfile.mkdtemp(prefix="cdc-tpch-churn-")
     conf = bench_env.isolated(TABLES, {"CDC__LAKE__ROOT": os.path.join(folder, "lake"),
@@ -157,6 +170,7 @@ def run(args, log) -> dict:
         monitor.wait_until_caught_up(conf, timeout_s=3600)
         log(f"initial load in silver {time.monotonic() - began:.1f} s after the services reported")
         before = messages(conf)
+        since_record = len(metrics.records(conf, "merge"))
         result: dict = {}
         writer = threading.Thread(target=churn, args=(conf, args.seconds, args.rate, result), daemon=True)
         began = time.monotonic()
@@ -169,12 +183,14 @@ def run(args, log) -> dict:
         writer.join()
         wrote = time.monotonic() - began
         log(f"churn: {result.get('notices')} in {wrote:.1f} s")
-        monitor.wait_until_caught_up(conf, timeout_s=3600)
+        waited = monitor.wait_until_caught_up(conf, timeout_s=3600)  # its seconds count from the end of the writes
         after_writes = time.monotonic() - began - wrote
         total = messages(conf) - before
+        log(f"merge from the churn's start: {work(metrics.records(conf, 'merge')[since_record:])}")
         results = reconcile.reconcile(conf, spark)
         exact = {r["table"]: r["equal"] for r in results}
         report = {"messages": total, "wrote_s": wrote, "caught_up_after_s": after_writes,
+                  "bronze_after_s": waited.get("bronze_s"), "silver_after_s": waited.get("silver_s"),
                   "lake_rate": total / (wrote + after_writes), "exact": exact, "initial_rows": rows}
         log(f"lake caught up {after_writes:.1f} s after the writes stopped; {total:,} messages; exact: {exact}")
         return report
@@ -193,11 +209,12 @@ def main(argv=None) -> None:
     load_before = bench_env.machine()
     r = run(args, print)
     print(f"machine before: {load_before}; after: {bench_env.machine()}")
-    print("| scale | churn | messages | lake messages/s | caught up after the writes | exact |")
+    print("| scale | churn | messages | lake messages/s | caught up after the writes: bronze, silver | exact |")
     print("|---|---|---|---|---|---|")
     print(f"| {args.scale:g} ({r['initial_rows']:,} rows) | {args.seconds:g} s at {args.rate:g} tx/s"
           f"{', kill -9 of capture and merge' if args.kill else ''} | {r['messages']:,} | {r['lake_rate']:,.0f} | "
-          f"{r['caught_up_after_s']:.1f} s | {all(r['exact'].values())} ({len(r['exact'])} tables) |")
+          f"{r['bronze_after_s']} s, {r['caught_up_after_s']:.1f} s | {all(r['exact'].values())} "
+          f"({len(r['exact'])} tables) |")
 
 
 if __name__ == "__main__":
