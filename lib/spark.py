@@ -520,3 +520,11 @@ def require_catalog(spark: SparkSession) -> dict:
             f"test run) and run again, or give this process its own metastore (lib.spark.with_metastore, or "
             f"{METASTORE_URL_KEY} in spark.settings)") from exc
     return info
+
+
+def error_line(exc: BaseException, limit: int = 500) -> str:
+    """The line of an exception that says what went wrong: for an error py4j carried from Spark's JVM, the Java
+    exception's own line (py4j's first line only names the call, e.g. 'An error occurred while calling o62.sql.')."""
+    lines = [line.strip().removeprefix(": ") for line in str(exc).strip().splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith("An error occurred while calling")]
+    return ((useful or lines or [type(exc).__name__])[0])[:limit]

@@ -227,6 +227,31 @@ def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_on
     assert cadence.changes == 1 and cadence.record()["silver_pending_events"] == 0
 
 
+def test_a_failed_silver_step_logs_its_traceback_and_stops_the_service_naming_the_java_error(monkeypatch):
+    """py4j's first line only names the call ("An error occurred while calling o62.sql."): the service's error
+    names Java's exception instead, and the service's log holds the whole traceback."""
+    from lib.lake import merge, silver_step
+
+    java = ("An error occurred while calling o62.sql.\n: io.delta.exceptions.ConcurrentAppendException: [DELTA_"
+            "CONCURRENT_APPEND] Files were added to the root of the table by a concurrent update.\n\tat io.delta.x")
+
+    def step(conf, spark, prog):
+        raise RuntimeError(java)
+
+    monkeypatch.setattr(silver_step, "run", step)
+    conf = config.apply_overrides(config.load("local"), {"CDC__MERGE__SILVER_INTERVAL_S": "0.2"})
+    lines = []
+    cadence = workers.SilverCadence(conf, None, log=lines.append)
+    cadence.thread.join(10)
+    cadence.stop()
+    with pytest.raises(merge.MergeError, match=r"^silver step failed: RuntimeError: io\.delta\.exceptions\."
+                                               r"ConcurrentAppendException: \[DELTA_CONCURRENT_APPEND\] Files were"):
+        cadence.raise_failure()
+    logged = "\n".join(lines)
+    assert "silver step failed: RuntimeError: io.delta.exceptions.ConcurrentAppendException" in logged
+    assert "Traceback (most recent call last)" in logged and "in step" in logged
+
+
 def test_a_lease_is_renewed_once_a_third_of_its_validity_has_passed_not_on_every_record(conf, monkeypatch):
     """Each renewal is a control-topic message the merge reads as a micro-batch: metrics records every 2 s must not
     renew a 36 s lease (3 intervals + 30 s) more often than every 12 s; a service's start renews at once."""

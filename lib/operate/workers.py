@@ -12,6 +12,7 @@ import inspect
 import signal
 import threading
 import time
+import traceback
 
 from lib import config, control, source, waiting
 from lib.operate import metrics, monitor
@@ -282,6 +283,7 @@ class SilverCadence:
         self.progress = silver_step.progress(conf)
         self.ctx = None
         self.steps, self.changes, self.failure, self.last = 0, 0, None, None  # changes: steps that applied events
+        self.failed_step = "silver step"  # which step set failure
         self.done_batches = -1  # the bronze batch id the last step started after
         self.decoded_batch = -1  # the bronze batch id the last decode step started after
         self.seen = (None, time.monotonic())  # the newest bronze batch id, and when it was first seen
@@ -315,7 +317,7 @@ class SilverCadence:
             try:
                 decode_step.run(self.conf, self.spark, self.progress.decoding)
             except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
-                self.failure = exc
+                self._failed("decode step", exc)
                 return
             self.decoded_batch = newest
 
@@ -334,7 +336,7 @@ class SilverCadence:
             try:
                 done = silver_step.run(self.conf, self.spark, self.progress)
             except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
-                self.failure = exc
+                self._failed("silver step", exc)
                 return
             self.done_batches, self.steps = newest, self.steps + 1
             self.changes += 1 if done["tables"] else 0
@@ -343,6 +345,14 @@ class SilverCadence:
             if done["tables"]:
                 self.log(f"merge     silver: {self.last['events']} event(s) of {self.last['tables']} table(s) applied, "
                          f"bronze commit {done['seq']}, {done.get('seconds')} s")
+
+    def _failed(self, step: str, exc: Exception) -> None:
+        """Keep the failure for the main thread, with its whole traceback (Java's too) in the service's log."""
+        from lib import spark as spark_session
+
+        self.log(f"merge     {step} failed: {type(exc).__name__}: {spark_session.error_line(exc)}\n"
+                 + "".join(traceback.format_exception(exc)))
+        self.failure, self.failed_step = exc, step
 
     def _due(self, due: float) -> bool:
         """A step is due: the interval passed, the pending events passed the threshold, or bronze caught up (no
@@ -354,10 +364,11 @@ class SilverCadence:
     def raise_failure(self) -> None:
         """Stop the service when a silver step failed (its keeper starts it again; the step is repeated)."""
         if self.failure is not None:
+            from lib import spark as spark_session
             from lib.lake import merge
 
-            raise merge.MergeError(f"silver step failed: {type(self.failure).__name__}: "
-                                   f"{str(self.failure).splitlines()[0][:500]}; the service stops and its next "
+            raise merge.MergeError(f"{self.failed_step} failed: {type(self.failure).__name__}: "
+                                   f"{spark_session.error_line(self.failure)}; the service stops and its next "
                                    f"start repeats the step (it changes nothing it applied already)") \
                 from self.failure
 
