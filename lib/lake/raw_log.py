@@ -13,6 +13,7 @@ silver step, so the bronze log, silver and the views read decoded rows as before
 from __future__ import annotations
 
 import json
+import logging
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -20,6 +21,8 @@ from pyspark.sql import types as T
 
 from lib.lake import bronze_log, decode, delta_io, lake_paths
 from lib.lake.bronze_log import TRUNCATE_OP  # the decode step copies a truncate row's op into bronze
+
+log = logging.getLogger(__name__)
 
 SCHEMA = T.StructType([
     T.StructField("_table", T.StringType()), T.StructField("_key", T.BinaryType()),
@@ -95,12 +98,31 @@ def pending(spark: SparkSession, path: str, after_seq: int, upto_seq: int) -> Da
     return spark.read.format("delta").load(path).filter((F.col("_seq") > after_seq) & (F.col("_seq") <= upto_seq))
 
 
-def prune(spark: SparkSession, path: str, decoded_seq: int) -> None:
+PRUNE_ATTEMPTS = 3  # a trigger appends every second: a DELETE that meets one is tried again, then left for later
+
+
+def prune(spark: SparkSession, path: str, decoded_seq: int) -> bool:
     """Delete the raw rows of the commits the bronze log holds decoded (_seq <= decoded_seq): the raw log keeps
     only what the decode step has still to read. Its commits' userMetadata, which the trigger's sequence and
-    retried-batch check read, stay in the Delta log."""
-    if decoded_seq >= 0:
-        spark.sql(f"DELETE FROM delta.{lake_paths.quote(path)} WHERE _seq <= {int(decoded_seq)}")
+    retried-batch check read, stay in the Delta log.
+
+    Delta refuses the DELETE when a trigger appended meanwhile (ConcurrentAppendException, though the new rows are
+    all above decoded_seq): it is tried again, and after PRUNE_ATTEMPTS left to the next compaction (False), with
+    a warning: the raw log then keeps more rows a while, and nothing is lost."""
+    if decoded_seq < 0:
+        return True
+    for attempt in range(1, PRUNE_ATTEMPTS + 1):
+        try:
+            spark.sql(f"DELETE FROM delta.{lake_paths.quote(path)} WHERE _seq <= {int(decoded_seq)}")
+            return True
+        except Exception as exc:  # noqa: BLE001 - only Delta's concurrent-append conflict is expected here
+            if "ConcurrentAppendException" not in str(exc) and "DELTA_CONCURRENT_APPEND" not in str(exc):
+                raise
+            log.info("raw log %s: prune to _seq %s met a trigger's append (attempt %s of %s)", path, decoded_seq,
+                     attempt, PRUNE_ATTEMPTS)
+    log.warning("raw log %s: prune to _seq %s met a trigger's append %s times; left to the next compaction (the "
+                "raw log keeps those decoded rows meanwhile; nothing is lost)", path, decoded_seq, PRUNE_ATTEMPTS)
+    return False
 
 
 def as_headers(raw: DataFrame) -> DataFrame:
