@@ -190,7 +190,7 @@ def run(args, log) -> dict:
         results = reconcile.reconcile(conf, spark)
         exact = {r["table"]: r["equal"] for r in results}
         report = {"messages": total, "wrote_s": wrote, "caught_up_after_s": after_writes,
-                  "bronze_after_s": waited.get("bronze_s"), "silver_after_s": waited.get("silver_s"),
+                  "bronze_after_s": waited.get("bronze_s"),
                   "lake_rate": total / (wrote + after_writes), "exact": exact, "initial_rows": rows}
         log(f"lake caught up {after_writes:.1f} s after the writes stopped; {total:,} messages; exact: {exact}")
         return report

@@ -213,8 +213,11 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     assert caught["kafka_end"]
     # the history ends on the caught-up state (what notebook 04 plots): silver's commits are visible before its step
     # has returned (its maintenance runs last), so the record written meanwhile may still count those events pending
-    wait_for(lambda: (metrics.latest(conf, "merge")["kafka_lag"], metrics.latest(conf, "merge")
-                      ["silver_pending_events"]) == (0, 0), 60, "a metrics record with Kafka lag 0 and nothing pending")
+    def settled():
+        record = metrics.latest(conf, "merge")
+        return (record["kafka_lag"], record["silver_pending_events"]) == (0, 0)
+
+    wait_for(settled, 60, "a metrics record with Kafka lag 0 and nothing pending")
     last = metrics.latest(conf, "merge")
     assert (last["kafka_lag"], last["silver_pending_events"]) == (0, 0), last
     st = monitor.status(conf)

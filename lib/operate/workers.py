@@ -455,7 +455,8 @@ class _MergeTally:
         for step in decodes:
             if step["at"] > self.decoded_at:
                 self.decoded_at = step["at"]
-                decode_s.append(step.get("seconds"))
+                if step.get("seconds") is not None:
+                    decode_s.append(step["seconds"])
                 for table, counts in step["tables"].items():
                     self.dead[table] = self.dead.get(table, 0) + int(counts.get("dead_letters", 0))
         if silver_changes != self.silver_changes or not self.positions:
@@ -468,7 +469,7 @@ class _MergeTally:
                   "interval_s": round(interval, 3), "interval_events_per_table": per_table,
                   "batch_seconds": [round(b["seconds"], 3) for b in fresh if b.get("seconds") is not None],
                   "batch_phases": [b["phases"] for b in fresh if b.get("phases")],
-                  "decode_seconds": [x for x in decode_s if x is not None],
+                  "decode_seconds": decode_s,
                   "events_per_table": dict(self.events),
                   "interval_events_per_s": round(sum(per_table.values()) / interval, 1),
                   "dead_letters": dict(self.dead), "positions": dict(self.positions)}
