@@ -15,7 +15,10 @@ the executors run inside the driver's JVM, so only the Python figure says what c
 figure is also split: its py4j connections (the notebook's Python driving its own JVM) apart from the rest (executors,
 the master, PostgreSQL). ``RECONCILE_BENCH_BROADCASTS=1`` also lists the broadcast pieces the driver stored during
 the measured run (each job's compressed task binary; Spark's log at INFO); ``RECONCILE_BENCH_SPARK_CONF=key=value,...``
-sets session settings in each child before it reconciles. Everything it made is removed at the end.
+sets session settings in each child before it reconciles. ``RECONCILE_BENCH_FLOOR=silver`` measures, in place of
+reconcile, only what any check of silver in Spark pays: every silver table's live rows counted and hashed in one job,
+nothing read from the source (the Spark half of a reconcile whose source checksums PostgreSQL would compute, as
+data-diff does). Everything it made is removed at the end.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_env  # noqa: E402 - the sibling module, found through the path set above
 import tpch_churn  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 
 from lib import config  # noqa: E402
 from lib import spark as spark_lib  # noqa: E402
 from lib.capture import bootstrap, snapshot  # noqa: E402
-from lib.lake import merge, reconcile  # noqa: E402
+from lib.lake import lake_paths, merge, reconcile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,17 +82,34 @@ def socket_delta(before: dict[str, int], after: dict[str, int]) -> int:
     return sum(n - before.get(key, 0) for key, n in after.items())
 
 
+def silver_floor(conf: dict, spark) -> list[dict]:
+    """Every silver table's live rows counted and hashed over all their columns in one job, as reconcile's silver side
+    is (no source read): reconcile's result shape, ``equal`` meaning only that the job ran."""
+    frames = []
+    for spec in lake_paths.table_specs(conf):
+        silver = spark.read.format("delta").load(lake_paths.silver_path(conf, spec)).filter("NOT _deleted")
+        columns = ", ".join(lake_paths.quote(c) for c in silver.columns if c not in lake_paths.META_COLUMNS)
+        frames.append(silver.selectExpr(f"'{spec.qualified}' AS __t", f"xxhash64({columns}) AS __h"))
+    union = frames[0]
+    for frame in frames[1:]:
+        union = union.unionByName(frame)
+    counted = union.coalesce(spark_lib.cores(spark) or 2).groupBy("__t").agg(
+        F.count(F.lit(1)).alias("n"), F.sum(F.col("__h").cast("decimal(38,0)")).alias("checksum")).collect()
+    return [{"table": r["__t"], "source_rows": r["n"], "equal": True} for r in counted]
+
+
 def measure(overrides: dict) -> dict:
     """One reconcile of every table with the conf the benchmark prepared: seconds, equal, driver bytes."""
     conf = config.apply_overrides(config.load(None), overrides)
     spark = spark_lib.from_conf(conf, catalog="in-memory")
     for pair in filter(None, os.environ.get("RECONCILE_BENCH_SPARK_CONF", "").split(",")):
         spark.conf.set(*pair.split("=", 1))  # a session setting to try, as key=value[,key=value]
+    check = silver_floor if os.environ.get("RECONCILE_BENCH_FLOOR") == "silver" else reconcile.reconcile
     try:
         jvm = None if spark_lib.is_remote(spark) or str(spark.conf.get("spark.master")).startswith("local") else \
             int(spark._jvm.java.lang.ProcessHandle.current().pid())
         began = time.monotonic()
-        reconcile.reconcile(conf, spark)  # the first run loads classes and modules (file reads): not counted
+        check(conf, spark)  # the first run loads classes and modules (file reads): not counted
         first = time.monotonic() - began
         idle = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
         time.sleep(first)  # as long as a run, doing nothing: what the driver's connections carry anyway
@@ -98,7 +119,7 @@ def measure(overrides: dict) -> dict:
         python_before, jvm_before = io_bytes(os.getpid()), io_bytes(jvm) if jvm else None
         sockets_before = {pid: socket_bytes(pid) for pid in (os.getpid(), jvm) if pid}
         began = time.monotonic()
-        results = reconcile.reconcile(conf, spark)
+        results = check(conf, spark)
         seconds = time.monotonic() - began
         out = {"first_seconds": round(first, 1), "seconds": round(seconds, 1),
                "equal": all(r["equal"] for r in results), "tables": len(results),
