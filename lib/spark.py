@@ -350,7 +350,7 @@ def remote_session(url: str, settings: dict | None = None):
         columns = spark.read.format("kafka").option("kafka.bootstrap.servers", "127.0.0.1:9") \
             .option("subscribe", "x").load().columns  # analysed on the server, no connection to Kafka
     except Exception as exc:  # noqa: BLE001 - named with the remedy
-        raise TargetError(f"the Spark Connect server at {url} cannot read Kafka ({str(exc).splitlines()[0]}): start "
+        raise TargetError(f"the Spark Connect server at {url} cannot read Kafka ({error_line(exc)}): start "
                           f"it with the spark-sql-kafka, spark-avro and PostgreSQL JDBC jars (--jars or --packages; "
                           f"lib/local/stack/poms/spark.xml lists them)") from exc
     if "value" not in columns:

@@ -651,6 +651,9 @@ def test_a_restart_after_sparks_known_kafka_metrics_failure_says_so_in_one_line(
     assert "SPARK-55271" in known and "nothing is lost" in known and "\n" not in known
     other = merge.restart_reason(RuntimeError("the broker went away\nmore"), 3)
     assert other == "stopped by Spark after 3 batch(es) (the broker went away); starting it again from the checkpoint"
+    carried = RuntimeError("An error occurred while calling o62.awaitTermination.\n: org.apache.spark.SparkException: "
+                           "Job aborted\n\tat org.apache.spark.scheduler.DAGScheduler.failJob")  # py4j's shape
+    assert "(org.apache.spark.SparkException: Job aborted)" in merge.restart_reason(carried, 2)
     over_connect = RuntimeError("[STREAM_FAILED] java.lang.NullPointerException: Cannot invoke ...\n"
                                 "\tat org.apache.spark.sql.kafka010.KafkaMicroBatchStream$.metrics("
                                 "KafkaMicroBatchStream.scala:520)")  # Spark Connect puts the JVM frames in the message

@@ -330,7 +330,7 @@ def _read_failed(table: catalog.Table | list[catalog.Table], exc: Exception) -> 
     task failed), the database's reason and a remedy."""
     tables = table if isinstance(table, list) else [table]
     text = str(exc)
-    reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    reason = spark_session.error_line(exc)
     for line in text.splitlines():  # the PostgreSQL or driver message is more useful than Spark's wrapper
         if "PSQLException:" in line or "cdc snapshot:" in line or "ValueError: column" in line:
             reason = line.rsplit("Exception:", 1)[-1].strip() if "cdc snapshot:" not in line else line.strip()

@@ -252,13 +252,12 @@ def kafka_metrics_bug(exc: BaseException) -> bool:
 
 def restart_reason(exc: BaseException, batches: int) -> str:
     """One line on why Spark stopped a query that had run batches, and that it is started again."""
-    text = str(exc)
     if kafka_metrics_bug(exc):
         return ("Spark 4.1.1's Kafka source failed to report progress after re-running the micro-batch an unclean "
                 "stop had left uncommitted (SPARK-55271); Spark had committed that batch first, so nothing is lost: "
                 "starting the query again from the checkpoint")
-    first = text.splitlines()[0][:300] if text else type(exc).__name__
-    return f"stopped by Spark after {batches} batch(es) ({first}); starting it again from the checkpoint"
+    return (f"stopped by Spark after {batches} batch(es) ({spark_session.error_line(exc, 300)}); starting it again "
+            f"from the checkpoint")
 
 
 def run_until_caught_up(conf: dict, spark: SparkSession, cleanup: bool = True, silver: bool = True) -> dict:

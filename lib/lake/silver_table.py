@@ -13,6 +13,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from lib import config
+from lib import spark as spark_session
 from lib.capture import avro_schemas
 from lib.lake import delta_io, lake_paths
 from lib.lake.lake_paths import META_COLUMNS, MergeError, TableSpec, quote
@@ -135,7 +136,7 @@ def _align_columns(spark: SparkSession, path: str, spec: TableSpec, row: T.Struc
                 f"silver table {spec.qualified} ({path}): column {have.name} is {have.dataType.simpleString()} but "
                 f"the topic {spec.topic} now carries {f.dataType.simpleString()}, which Delta cannot widen to: "
                 f"rebuild the silver table (move it away and replay the topic with a new checkpoint) or change the "
-                f"column with ALTER TABLE; {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+                f"column with ALTER TABLE; {type(exc).__name__}: {spark_session.error_line(exc)}") from exc
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,7 @@ def run_merge(conf: dict, spark=None, stop_event=None, max_seconds: float | None
                     f"Delta commits are idempotent)") from cause
             failures = 0 if ctx.history else failures + 1
             exception = query.exception()
-            error = str(exception).splitlines()[0][:300]
+            error = spark_lib.error_line(exception, 300)
             if failures > budget:
                 raise merge.MergeError(f"merge query {ctx.query} was stopped by Spark {failures} times in a row "
                                        f"without a micro-batch (last: {error}); see the log, fix the cause and start "
