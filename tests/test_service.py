@@ -212,7 +212,7 @@ def test_kill_9_restarts_by_itself_while_writing_then_silver_reconciles(pipeline
     caught = monitor.wait_until_caught_up(conf, timeout_s=1200)
     assert caught["kafka_end"]
     # the history ends on the caught-up state (what notebook 04 plots): silver's commits are visible before its step
-    # has returned (its maintenance runs last), so the record written meanwhile may still count those events pending
+    # has returned (each table's MERGE commits as it ends), so a record written meanwhile may still count them pending
     def settled():
         record = metrics.latest(conf, "merge")
         return (record["kafka_lag"], record["silver_pending_events"]) == (0, 0)

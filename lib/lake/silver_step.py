@@ -93,9 +93,11 @@ def _applied(spark: SparkSession, prog: Progress, spec) -> int:
     return prog.applied[spec.qualified]
 
 
-def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: list[str] | None = None) -> dict:
+def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: list[str] | None = None,
+        maintain: bool = True) -> dict:
     """Decode the raw log's new commits into the bronze log, then bring silver up to it for every table (or those
-    named) that has events it has not applied.
+    named) that has events it has not applied; then, when due, the logs' upkeep (``maintain=False``: the caller
+    calls ``upkeep`` itself, after it has counted the step's events as applied).
 
     Returns {'seq': the log commit reached, 'tables': {table: {'events': n, 'seconds': s}}, 'decoded': the decode
     step's counts}.
@@ -128,9 +130,8 @@ def run(conf: dict, spark: SparkSession, prog: Progress | None = None, tables: l
                 result["tables"][spec.qualified] = done
         finally:
             pending.unpersist()
-    merged = time.monotonic()
-    _maintain(conf, spark, prog, path, state.seq)
-    result["phases"]["maintain"] = round(time.monotonic() - merged, 2)
+    if maintain:
+        result["phases"]["maintain"] = upkeep(conf, spark, prog, state.seq)
     result["seconds"] = round(time.monotonic() - began, 2)
     if result["tables"]:
         log.info("silver step to bronze commit %s: %s", state.seq, result["tables"])
@@ -243,8 +244,10 @@ def _refuse_unserved(prog: Progress, spec, layout, counted: dict | None) -> None
             f"or restore its storage), then start the merge again: silver resumes from where it stopped")
 
 
-def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str, decoded_seq: int) -> None:
-    """Now and then: drop old soft tombstones from silver, compact the logs (the raw log pruned to the undecoded)."""
+def upkeep(conf: dict, spark: SparkSession, prog: Progress, decoded_seq: int) -> float:
+    """Now and then: drop old soft tombstones from silver, compact the logs (the raw log pruned to what the bronze
+    log's commit decoded_seq has not decoded); the seconds it took."""
+    began, path = time.monotonic(), lake_paths.bronze_path(conf)
     minutes = float(config.get(conf, "merge.cleanup_interval_minutes"))
     if minutes > 0 and time.monotonic() - prog.last_cleanup >= minutes * 60:
         silver_table.cleanup_tombstones(conf, spark)
@@ -257,6 +260,7 @@ def _maintain(conf: dict, spark: SparkSession, prog: Progress, path: str, decode
             raw_log.prune(spark, raw, decoded_seq)  # the bronze log's state this step read
             compact(spark, raw)
         prog.last_compaction = time.monotonic()
+    return round(time.monotonic() - began, 2)
 
 
 def compact(spark: SparkSession, path: str) -> dict:

@@ -334,17 +334,23 @@ class SilverCadence:
                 continue
             due = time.monotonic() + self.interval_s  # start to start: a step that ran long is not followed by a wait
             try:
-                done = silver_step.run(self.conf, self.spark, self.progress)
+                done = silver_step.run(self.conf, self.spark, self.progress, maintain=False)
             except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
                 self._failed("silver step", exc)
                 return
-            self.done_batches, self.steps = newest, self.steps + 1
+            self.done_batches, self.steps = newest, self.steps + 1  # applied: no longer pending, upkeep or not
             self.changes += 1 if done["tables"] else 0
             self.last = {"at": time.time(), "seq": done["seq"], "seconds": done.get("seconds"),
                          "tables": len(done["tables"]), "events": sum(t["events"] for t in done["tables"].values())}
             if done["tables"]:
                 self.log(f"merge     silver: {self.last['events']} event(s) of {self.last['tables']} table(s) applied, "
                          f"bronze commit {done['seq']}, {done.get('seconds')} s")
+            if done["seq"] >= 0:
+                try:
+                    silver_step.upkeep(self.conf, self.spark, self.progress, done["seq"])
+                except Exception as exc:  # noqa: BLE001 - raised in the service's main thread (raise_failure)
+                    self._failed("silver upkeep", exc)
+                    return
 
     def _failed(self, step: str, exc: Exception) -> None:
         """Keep the failure for the main thread, with its whole traceback (Java's too) in the service's log."""
