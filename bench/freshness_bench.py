@@ -192,9 +192,11 @@ def run(n: int, args, log) -> dict:
             for phases in r.get("batch_phases") or []:
                 for name, seconds in phases.items():
                     phase_s.setdefault(name, []).append(seconds)
+        service_log = keeper.files(conf, "merge")["log"].read_text()
         log(f"{n} table(s): bronze batches {percentiles(batch_s)}; median per phase "
-            f"{ {name: round(statistics.median(v), 3) for name, v in phase_s.items()} }; merge log tail:\n"
-            + "\n".join(keeper.files(conf, "merge")["log"].read_text().splitlines()[-15:]))
+            f"{ {name: round(statistics.median(v), 3) for name, v in phase_s.items()} }; Spark's code generation "
+            f"fell back {service_log.count('grows beyond 64 KB')} time(s); merge log tail:\n"
+            + "\n".join(service_log.splitlines()[-15:]))
         steps = [r["silver_steps"] for r in records if r.get("silver_steps") is not None]
         result = {"tables": n, "rows_watched": len(committed), "fresh": percentiles(fresh),
                   "silver": percentiles(silver), "query_s": percentiles(query_s),
