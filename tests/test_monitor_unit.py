@@ -172,7 +172,7 @@ def test_silver_steps_start_every_interval_and_a_long_one_is_not_followed_by_a_w
 
     starts = []
 
-    def step(conf, spark, prog):
+    def step(conf, spark, prog, maintain=True):
         starts.append(time.monotonic())
         time.sleep(step_s)
         return {"seq": len(starts), "tables": {}, "seconds": step_s}
@@ -198,12 +198,15 @@ def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_on
 
     starts, decodes = [], []
 
-    def step(conf, spark, prog):
+    def step(conf, spark, prog, maintain=True):
         starts.append(time.monotonic())
         return {"seq": len(starts), "tables": {"bank.customers": {"events": 5}}, "seconds": 0.0}
 
     monkeypatch.setattr(silver_step, "run", step)
     monkeypatch.setattr(decode_step, "run", lambda conf, spark, dec: decodes.append(time.monotonic()))
+    upkept = []  # the events still counted pending when the step's upkeep (compaction, prune) begins
+    monkeypatch.setattr(silver_step, "upkeep", lambda conf, spark, prog, seq: upkept.append(
+        (seq, cadence.record()["silver_pending_events"])))
     conf = config.apply_overrides(config.load("local"), {"CDC__MERGE__SILVER_INTERVAL_S": "60",
                                                          "CDC__SERVICE__MERGE_INTERVAL": "1 second"})
     cadence = workers.SilverCadence(conf, None, log=lambda line: None)
@@ -225,6 +228,7 @@ def test_a_silver_step_runs_once_bronze_has_caught_up_with_events_pending_not_on
     assert len(starts) == 1 and 1.8 <= starts[0] - logged <= 2.8, [round(t - logged, 2) for t in starts]
     assert len(decodes) == 2 and decodes[1] - logged < 1.0, decodes  # each trigger decoded at once, not at the step
     assert cadence.changes == 1 and cadence.record()["silver_pending_events"] == 0
+    assert upkept == [(1, 0)], upkept  # after the step was counted: its events are not pending during the upkeep
 
 
 def test_a_failed_silver_step_logs_its_traceback_and_stops_the_service_naming_the_java_error(monkeypatch):
@@ -235,7 +239,7 @@ def test_a_failed_silver_step_logs_its_traceback_and_stops_the_service_naming_th
     java = ("An error occurred while calling o62.sql.\n: io.delta.exceptions.ConcurrentAppendException: [DELTA_"
             "CONCURRENT_APPEND] Files were added to the root of the table by a concurrent update.\n\tat io.delta.x")
 
-    def step(conf, spark, prog):
+    def step(conf, spark, prog, maintain=True):
         raise RuntimeError(java)
 
     monkeypatch.setattr(silver_step, "run", step)
