@@ -47,7 +47,7 @@ import freshness_bench  # noqa: E402
 
 from lib import config, source  # noqa: E402
 from lib.lake import fresh_read, lake_paths, reconcile  # noqa: E402
-from lib.operate import metrics, monitor, process, service  # noqa: E402
+from lib.operate import keeper, metrics, monitor, process, service  # noqa: E402
 from lib.views import masking  # noqa: E402
 
 
@@ -230,7 +230,11 @@ def run(args, log) -> dict:
         monitor.wait_until_caught_up(conf, timeout_s=1800)
         caught_up_s = round(time.monotonic() - wrote, 1)
         results = reconcile.reconcile(conf, spark)
-        return {"samples": samples, "caught_up_s": caught_up_s, "transactions": counts["transactions"],
+        merge_log = keeper.files(conf, "merge")["log"]
+        deferred = merge_log.read_text(errors="replace").count("left to the next compaction") \
+            if merge_log.exists() else None
+        return {"samples": samples, "prunes_deferred": deferred, "caught_up_s": caught_up_s,
+                "transactions": counts["transactions"],
                 "writer_error": counts.get("error"), "minutes": minutes, "ddls": ddls, "big": big,
                 "exact": {r["table"]: r["equal"] for r in results},
                 "rows": {r["table"]: r["source_rows"] for r in results},
@@ -267,7 +271,9 @@ def report(args, result: dict, before: str, after: str) -> str:
                      f"{s['silver_p50_s']} s |")
     exact = all(result["exact"].values())
     lines += ["", f"{result['transactions']:,} transactions; caught up {result['caught_up_s']} s after the writes; "
-                  f"reconciled: {'every table exact' if exact else result['exact']} (rows {result['rows']})"]
+                  f"reconciled: {'every table exact' if exact else result['exact']} (rows {result['rows']}); "
+                  f"raw log prunes left to the next compaction (the service log's warnings): "
+                  f"{result.get('prunes_deferred')}"]
     for table, found in result["differences"].items():
         lines.append(f"{table} differs: {found}")
     if result["writer_error"]:
